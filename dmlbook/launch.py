@@ -1,0 +1,428 @@
+"""Run one ordinary function on N ranks: fresh processes on this machine, or in place under torchrun.
+
+Every chapter starts here (chapter 1 first; chapter 3 explains world size, rank and local rank).
+A *rank function* is a plain function that uses ``torch.distributed``. The same function runs
+
+* from a notebook cell, a test or a script: ``run(fn, 4)`` starts 4 fresh Python processes
+  (a ``spawn``-style start: nothing is forked), ships ``fn`` by value with cloudpickle, gives every
+  rank an initialised process group and returns ``[fn's result on rank 0, ..., rank 3]``;
+* under ``torchrun --nnodes N --nproc-per-node M script.py`` on many machines: ``run`` sees the
+  ``RANK``/``WORLD_SIZE`` that torchrun set, initialises from the environment and calls ``fn`` in
+  place.
+
+Failures are loud and quick: a rank that raises or dies becomes :class:`RankError` naming the rank
+that failed first (with its traceback); ranks still running at ``timeout`` become
+:class:`RankTimeoutError` with a stack dump of each stuck rank. Every child is gone when ``run``
+returns or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import linecache
+import os
+import pickle
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+__all__ = ["run", "device", "RankError", "RankTimeoutError"]
+
+BACKENDS = ("auto", "gloo", "nccl")
+# After the last rank has returned its result, how long it may take to exit before it is killed.
+# torch's DDP can deadlock in teardown (pytorch#56297); a finished rank must never hang the caller.
+EXIT_GRACE_S = 3.0
+# After the first failure, how long to wait for other ranks' error reports before killing them,
+# so that the rank that failed *first* is named, not the one we happened to notice first.
+FAILURE_GRACE_S = 0.3
+# How gloo and NCCL say that a peer went away: such a rank failed because another one did.
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
+)
+
+
+class RankError(RuntimeError):
+    """A rank raised or died. ``rank`` is the first rank that failed, ``exitcode`` its exit code."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback=""):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+
+class RankTimeoutError(TimeoutError):
+    """Ranks were still running at the timeout. ``ranks`` lists them, ``stacks`` maps rank -> dump."""
+
+    def __init__(self, message: str, ranks: list[int], stacks: dict[int, str]):
+        super().__init__(message)
+        self.ranks = ranks
+        self.stacks = stacks
+
+
+def device() -> torch.device:
+    """This rank's device: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int | None,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, by rank."""
+    if not callable(fn):
+        raise TypeError(f"run() needs a callable rank function, got {type(fn).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if _under_torchrun():
+        return _run_in_place(fn, world_size, args, kwargs, backend, timeout)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    return _Launch(fn, world_size, args, kwargs, _resolve_backend(backend, world_size), timeout)()
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+def _resolve_backend(backend: str, ranks_on_this_host: int) -> str:
+    """``auto`` is NCCL when every local rank can have its own GPU, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= ranks_on_this_host else "gloo"
+    if backend == "nccl" and gpus < ranks_on_this_host:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks_on_this_host} ranks, {gpus} GPUs")
+    return backend
+
+
+# --------------------------------------------------------------------------- torchrun: in place
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_in_place(fn, world_size, args, kwargs, backend, timeout) -> list[Any]:
+    """torchrun already started one process per rank: initialise from the env and call fn here."""
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world_size != env_world:
+        raise ValueError(
+            f"run(fn, world_size={world_size}) under torchrun, which started WORLD_SIZE={env_world} "
+            "processes; pass world_size=None to take the world size from torchrun"
+        )
+    initialised_here = not dist.is_initialized()
+    if initialised_here:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        backend = _resolve_backend(backend, local_world)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(*args, **kwargs)
+        results: list[Any] = [None] * env_world
+        dist.all_gather_object(results, result)  # every rank returns the full list, as run() does
+        return results
+    finally:
+        if initialised_here:
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- fresh processes
+
+
+class _Launch:
+    """One call of ``run``: start the ranks, stream their output, collect results or failures."""
+
+    def __init__(self, fn, world_size, args, kwargs, backend, timeout):
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="dmlbook-launch-"))
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"cannot ship the rank function or its arguments to the ranks: {e}") from e
+        (self.workdir / "payload.pkl").write_bytes(payload)
+        self.output: queue.Queue = queue.Queue()
+        self.pumps: list[threading.Thread] = []
+        self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
+        self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
+
+    def __call__(self) -> list[Any]:
+        # The store lives in the caller, so the rendezvous survives any rank dying.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.timeout))
+        self._write_meta(store.port)
+        procs: list[subprocess.Popen] = []
+        try:
+            procs = [self._start(rank, store.port) for rank in range(self.world_size)]
+            return self._supervise(procs)
+        finally:
+            _kill(procs)
+            for pump in self.pumps:  # the pipes close once the ranks are gone
+                pump.join(timeout=1.0)
+            self._drain_output()
+            del store
+            for f in self.workdir.iterdir():
+                f.unlink()
+            self.workdir.rmdir()
+
+    def _write_meta(self, port: int) -> None:
+        # Source lines of cells (IPython keeps them only in linecache) so tracebacks show them.
+        cells = {k: v for k, v in linecache.cache.items() if len(v) == 4 and v[1] is None}
+        meta = dict(world_size=self.world_size, backend=self.backend, timeout=self.timeout,
+                    port=port, sys_path=list(sys.path), cwd=os.getcwd(), cells=cells,
+                    parent_pid=os.getpid())
+        (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
+
+    def _start(self, rank: int, port: int) -> subprocess.Popen:
+        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
+                   MKL_NUM_THREADS=str(threads), DMLBOOK_THREADS=str(threads),
+                   RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
+            env["GLOO_SOCKET_IFNAME"] = lo
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from dmlbook.launch import _rank_main; _rank_main()",
+             str(self.workdir), str(rank)],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: killpg reaches its children too
+        )
+        for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            pump = threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+        threading.Thread(target=self._wait_exit, args=(rank, proc), daemon=True).start()
+        return proc
+
+    def _wait_exit(self, rank: int, proc: subprocess.Popen) -> None:
+        # Blocks in waitpid, so the time of death is exact: a rank that dies hard is then ordered
+        # before the peers whose collectives fail *because* it died.
+        code = proc.wait()
+        self.exits[rank] = (time.time(), code)
+
+    def _pump(self, rank: int, name: str, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.output.put((rank, name, raw.decode(errors="replace").rstrip("\n")))
+        stream.close()
+
+    def _drain_output(self) -> None:
+        """Print what the ranks printed, marked with the rank, from the caller's thread."""
+        while True:
+            try:
+                rank, name, line = self.output.get_nowait()
+            except queue.Empty:
+                return
+            if name == "stderr":
+                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-20:]
+            print(f"[rank {rank}] {line}", file=sys.stderr if name == "stderr" else sys.stdout)
+
+    def _supervise(self, procs: list[subprocess.Popen]) -> list[Any]:
+        deadline = time.monotonic() + self.timeout
+        results: dict[int, Any] = {}
+        failures: dict[int, tuple[tuple[bool, float], RankError]] = {}
+        first_failure_seen = None
+        while True:
+            self._drain_output()
+            for rank, proc in enumerate(procs):
+                if rank in results or rank in failures:
+                    continue
+                result_file = self.workdir / f"result{rank}.pkl"
+                if result_file.exists():
+                    results[rank] = pickle.loads(result_file.read_bytes())
+                elif rank in self.exits:
+                    failures[rank] = self._failure(rank, *self.exits[rank])
+            if failures:
+                first_failure_seen = first_failure_seen or time.monotonic()
+                if time.monotonic() - first_failure_seen >= FAILURE_GRACE_S:
+                    _, error = min(failures.values(), key=lambda f: f[0])
+                    raise error
+            elif len(results) == self.world_size:
+                _wait_then_kill(procs, EXIT_GRACE_S)
+                return [results[r] for r in range(self.world_size)]
+            elif time.monotonic() > deadline:
+                stuck = [r for r in range(self.world_size) if r not in results]
+                raise self._timeout_error(procs, stuck)
+            time.sleep(0.01)
+
+    def _failure(self, rank: int, died_at: float, code: int):
+        """Turn a rank that exited without a result into ((is it a knock-on failure, when), error).
+
+        A rank whose collective broke because a peer vanished failed as a *consequence*; it can
+        even report before the parent sees the peer's death, so it sorts after every other failure.
+        """
+        report_file = self.workdir / f"error{rank}.pkl"
+        if report_file.exists():
+            report = pickle.loads(report_file.read_bytes())
+            error = RankError(
+                f"rank {rank} failed first: {report['summary']}\n\n"
+                f"Traceback of rank {rank} (most recent call last):\n{report['traceback']}",
+                rank, code, report["traceback"])
+            try:
+                error.__cause__ = pickle.loads(report["exception"])
+            except Exception:
+                pass
+            return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
+        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        tail = "\n".join(self.stderr_tail[rank][-10:])
+        message = f"rank {rank} failed first: it died with {how} and no Python traceback"
+        return (False, died_at), RankError(message + (f"\nLast stderr lines:\n{tail}" if tail else ""),
+                                      rank, code)
+
+    def _timeout_error(self, procs, stuck: list[int]) -> RankTimeoutError:
+        """Ask each stuck rank for its Python stacks (faulthandler on SIGUSR1), then report them."""
+        for rank in stuck:
+            if procs[rank].poll() is None:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+        stacks: dict[int, str] = {}
+        for rank in stuck:
+            path = self.workdir / f"stack{rank}.txt"
+            for _ in range(50):  # up to 0.5 s for the dump to appear
+                if path.exists() and path.stat().st_size > 0:
+                    break
+                time.sleep(0.01)
+            time.sleep(0.05)
+            stacks[rank] = _readable_dump(path.read_text() if path.exists() else "(no dump)")
+        body = "\n".join(f"--- rank {r} is stuck here ---\n{stacks[r]}" for r in stuck)
+        return RankTimeoutError(
+            f"ranks {stuck} still running after the {self.timeout:g} s timeout\n{body}", stuck, stacks
+        )
+
+
+def _readable_dump(dump: str) -> str:
+    """Keep the user's threads and frames of a faulthandler dump, each with its source line."""
+    threads = []
+    for block in dump.strip().split("\n\n"):
+        if f'File "{__file__}", line' in block and " in watch" in block:
+            continue  # the launcher's parent-watching thread
+        lines = []
+        for line in block.splitlines():
+            m = re.match(r'\s+File "(.+)", line (\d+) in ', line)
+            if m and m.group(1) in (__file__, "<string>"):
+                continue  # the launcher's own frames
+            lines.append(line)
+            if m and (src := linecache.getline(m.group(1), int(m.group(2))).strip()):
+                lines.append(f"    {src}")
+        threads.append("\n".join(lines))
+    return "\n\n".join(threads)
+
+
+def _wait_then_kill(procs: list[subprocess.Popen], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(procs)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill every rank and anything it started (its whole process group), then reap it."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+def _rank_main() -> None:
+    """Entry point of a rank process: set up, call fn, write its result or its failure."""
+    workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    stack_file = open(workdir / f"stack{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable()  # a segfault still prints a Python stack on stderr
+    meta = pickle.loads((workdir / "meta.pkl").read_bytes())
+    _exit_with_parent(meta["parent_pid"])
+    torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
+    sys.path[:] = meta["sys_path"]
+    os.chdir(meta["cwd"])
+    linecache.cache.update(meta["cells"])
+    try:
+        fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
+        _init_process_group(rank, meta)
+        result = fn(*args, **kwargs)
+        _write_atomic(workdir / f"result{rank}.pkl", cloudpickle.dumps(result))
+    except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
+        _report_failure(workdir, rank, e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's slow teardown of torch (0.5-1 s). It also means that a DDP object
+    # is never freed after its group is gone, which can block on a gloo thread (pytorch#56297).
+    os._exit(0)
+
+
+def _init_process_group(rank: int, meta: dict) -> None:
+    timeout = datetime.timedelta(seconds=meta["timeout"] + 10)  # the caller's deadline comes first
+    store = dist.TCPStore("127.0.0.1", meta["port"], None, False, timeout=timeout)
+    if meta["backend"] == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(meta["backend"], store=store, rank=rank,
+                            world_size=meta["world_size"], timeout=timeout)
+
+
+def _report_failure(workdir: Path, rank: int, e: BaseException) -> None:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # hide the launcher's own frames
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    try:
+        exception = cloudpickle.dumps(e)
+    except Exception:
+        exception = b""
+    report = dict(time=time.time(), summary=f"{type(e).__name__}: {e}", traceback=text,
+                  exception=exception)
+    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # the caller sees the whole file or none of it
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """If the caller dies (a killed notebook kernel), take this rank and its children down too."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()

@@ -1,0 +1,276 @@
+"""The rank launcher: results, failures, hangs, orphans, bad arguments and torchrun mode."""
+
+import linecache
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmlbook import launch
+from dmlbook.launch import RankError, RankTimeoutError, run
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _alive(pid: int) -> bool:
+    """True if pid is a running (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _record_pids(piddir: str) -> None:
+    """Write this rank's pid and the pid of a child it starts, so tests can check for orphans."""
+    child = subprocess.Popen(["sleep", "600"])
+    Path(piddir, f"{dist.get_rank()}.pids").write_text(f"{os.getpid()} {child.pid}")
+
+
+def _assert_no_orphans(piddir: Path, world_size: int) -> None:
+    pids = [int(p) for f in piddir.glob("*.pids") for p in f.read_text().split()]
+    assert len(pids) == 2 * world_size, "every rank should have recorded itself and its child"
+    deadline = time.monotonic() + 2.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "processes left behind after run() returned"
+
+
+# --------------------------------------------------------------------------- results
+
+
+def report(offset):
+    t = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(t)
+    return dict(rank=dist.get_rank(), world=dist.get_world_size(), total=t.item(),
+                threads=torch.get_num_threads(), device=str(launch.device()),
+                local_rank=int(os.environ["LOCAL_RANK"]), backend=dist.get_backend())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_come_back_by_rank(world_size):
+    results = run(report, world_size, 10)
+    cores = len(os.sched_getaffinity(0))
+    expected_total = sum(range(world_size)) + 10 * world_size
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert [r["local_rank"] for r in results] == list(range(world_size))
+    for r in results:
+        assert r["world"] == world_size and r["total"] == expected_total
+        assert r["threads"] == max(1, cores // world_size)  # never more threads than cores
+        assert r["device"] == "cpu" and r["backend"] == "gloo"
+
+
+def shout(word):
+    print(f"{word} from rank {dist.get_rank()}")
+    print(f"warning on rank {dist.get_rank()}", file=sys.stderr)
+    return word
+
+
+def test_rank_output_is_shown_marked_with_its_rank(capsys):
+    assert run(shout, 2, "hello", timeout=30) == ["hello", "hello"]
+    out, err = capsys.readouterr()
+    assert "[rank 0] hello from rank 0" in out and "[rank 1] hello from rank 1" in out
+    assert "[rank 1] warning on rank 1" in err
+
+
+def test_function_defined_in_main_script(tmp_path):
+    # No `if __name__ == "__main__"` guard: the ranks never re-import the caller's script.
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from dmlbook.launch import run
+
+        class Box:  # a class defined in __main__ travels too
+            def __init__(self, v):
+                self.v = v
+
+        def double_sum(box):
+            t = torch.tensor([box.v * 2])
+            dist.all_reduce(t)
+            return t.item()
+
+        print("RESULT", run(double_sum, 3, Box(5)))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "RESULT [30, 30, 30]" in out.stdout
+    assert out.stdout.count("RESULT") == 1  # the script body ran once, in the caller only
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def raise_on_rank_2(piddir):
+    _record_pids(piddir)
+    if dist.get_rank() == 2:
+        raise ValueError("bad shard on purpose")
+    dist.barrier()  # the other ranks wait for rank 2, whose death breaks their barrier
+
+
+def test_rank_that_raises_names_the_first_failing_rank(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run(raise_on_rank_2, 3, str(tmp_path), timeout=30)
+    assert time.monotonic() - start < 15
+    err = info.value
+    assert isinstance(err, RuntimeError) and err.rank == 2 and err.exitcode == 1
+    assert "rank 2 failed first: ValueError: bad shard on purpose" in str(err)
+    assert 'raise ValueError("bad shard on purpose")' in str(err)  # source line in the traceback
+    assert isinstance(err.__cause__, ValueError)
+    _assert_no_orphans(tmp_path, 3)
+
+
+def slow_then_fast_failure():
+    if dist.get_rank() == 0:
+        time.sleep(1.0)
+        raise KeyError("late")
+    raise IndexError("early")
+
+
+def test_earliest_failure_wins_over_lower_rank():
+    with pytest.raises(RankError) as info:
+        run(slow_then_fast_failure, 2, timeout=30)
+    assert info.value.rank == 1 and "IndexError: early" in str(info.value)
+
+
+def test_notebook_cell_function_keeps_its_source_lines():
+    # IPython compiles each cell under a made-up file name and keeps the source in linecache only.
+    name = "<ipython-input-7-0123456789ab>"
+    source = "def cell_fn():\n    import torch.distributed as dist\n    return 1 / (dist.get_rank() - 1)\n"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, name, "exec"), namespace)
+    with pytest.raises(RankError) as info:
+        run(namespace["cell_fn"], 2, timeout=30)
+    assert info.value.rank == 1
+    assert "ZeroDivisionError" in str(info.value)
+    assert "return 1 / (dist.get_rank() - 1)" in str(info.value)
+
+
+def exit_hard(piddir, how):
+    _record_pids(piddir)
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("how, code, words", [("exit", 3, "exit code 3"),
+                                               ("kill", -9, "signal SIGKILL")])
+def test_rank_that_dies_without_traceback(tmp_path, how, code, words):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run(exit_hard, 2, str(tmp_path), how, timeout=30)
+    assert time.monotonic() - start < 15
+    assert info.value.rank == 1 and info.value.exitcode == code
+    assert f"rank 1 failed first: it died with {words}" in str(info.value)
+    _assert_no_orphans(tmp_path, 2)
+
+
+def stuck_here(piddir):
+    _record_pids(piddir)
+    if dist.get_rank() == 0:
+        time.sleep(600)  # the line the stack dump must point at
+    dist.barrier()
+
+
+def test_hang_becomes_timeout_error_with_stacks(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        run(stuck_here, 2, str(tmp_path), timeout=5)
+    elapsed = time.monotonic() - start
+    assert 5 <= elapsed < 15
+    err = info.value
+    assert isinstance(err, TimeoutError) and err.ranks == [0, 1]
+    assert "in stuck_here" in err.stacks[0] and "time.sleep(600)" in err.stacks[0]
+    assert "in barrier" in err.stacks[1]  # rank 1 waits in the collective for rank 0
+    _assert_no_orphans(tmp_path, 2)
+
+
+def hang_in_teardown(piddir):
+    _record_pids(piddir)
+    dist.destroy_process_group = lambda: time.sleep(600)  # as DDP's teardown sometimes does
+    return dist.get_rank()
+
+
+def test_rank_that_returned_cannot_hang_the_caller(tmp_path):
+    start = time.monotonic()
+    assert run(hang_in_teardown, 2, str(tmp_path), timeout=60) == [0, 1]
+    assert time.monotonic() - start < 2 * launch.EXIT_GRACE_S + 10
+    _assert_no_orphans(tmp_path, 2)
+
+
+def test_caller_interrupt_kills_ranks(tmp_path):
+    # Ctrl-C / a notebook's stop button: the ranks must go with the interrupted call.
+    timer = threading.Timer(5.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(stuck_here, 2, str(tmp_path), timeout=60)
+    finally:
+        timer.cancel()
+    _assert_no_orphans(tmp_path, 2)
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
+def test_bad_world_size(world_size):
+    with pytest.raises(ValueError, match="world_size"):
+        run(report, world_size, 0)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="callable"):
+        run(42, 2)
+    with pytest.raises(ValueError, match="backend"):
+        run(report, 2, 0, backend="mpi")
+    with pytest.raises(ValueError, match="timeout"):
+        run(report, 2, 0, timeout=0)
+    with pytest.raises(TypeError, match="cannot ship"):
+        run(report, 2, threading.Lock())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_gpus_is_refused():
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        run(report, 2, 0, backend="nccl")
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def test_in_place_when_environment_defines_the_ranks(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="WORLD_SIZE=1"):
+        run(report, 2, 0)
+    assert run(report, None, 7)[0]["total"] == 7
+    assert not dist.is_initialized()  # run() cleans up the group it created
+
+
+def test_torchrun_standalone_runs_the_same_function():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "examples" / "hello_ranks.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    # every rank returns the same list, indexed by rank
+    assert out.stdout.count("results [(0, 0, 2), (1, 1, 2)]") == 2, out.stdout
