@@ -1,4 +1,4 @@
-"""Run one ordinary function on N ranks: fresh processes on this machine, or in place under torchrun.
+"""Run one ordinary function on N ranks: fresh local processes, or in place under torchrun.
 
 Every chapter starts here (chapter 1 first; chapter 3 explains world size, rank and local rank).
 A *rank function* is a plain function that uses ``torch.distributed``. The same function runs
@@ -33,8 +33,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -66,7 +67,7 @@ class RankError(RuntimeError):
 
 
 class RankTimeoutError(TimeoutError):
-    """Ranks were still running at the timeout. ``ranks`` lists them, ``stacks`` maps rank -> dump."""
+    """Ranks still ran at the timeout: ``ranks`` lists them, ``stacks`` maps rank -> stack dump."""
 
     def __init__(self, message: str, ranks: list[int], stacks: dict[int, str]):
         super().__init__(message)
@@ -112,7 +113,9 @@ def _resolve_backend(backend: str, ranks_on_this_host: int) -> str:
     if backend == "auto":
         return "nccl" if gpus >= ranks_on_this_host else "gloo"
     if backend == "nccl" and gpus < ranks_on_this_host:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks_on_this_host} ranks, {gpus} GPUs")
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {ranks_on_this_host} ranks, {gpus} GPUs"
+        )
     return backend
 
 
@@ -128,8 +131,8 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout) -> list[Any]:
     env_world = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != env_world:
         raise ValueError(
-            f"run(fn, world_size={world_size}) under torchrun, which started WORLD_SIZE={env_world} "
-            "processes; pass world_size=None to take the world size from torchrun"
+            f"run(fn, world_size={world_size}) under torchrun, which started "
+            f"WORLD_SIZE={env_world} processes; pass world_size=None to take torchrun's"
         )
     initialised_here = not dist.is_initialized()
     if initialised_here:
@@ -160,7 +163,9 @@ class _Launch:
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:
-            raise TypeError(f"cannot ship the rank function or its arguments to the ranks: {e}") from e
+            raise TypeError(
+                f"cannot ship the rank function or its arguments to the ranks: {e}"
+            ) from e
         (self.workdir / "payload.pkl").write_bytes(payload)
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
@@ -169,8 +174,14 @@ class _Launch:
 
     def __call__(self) -> list[Any]:
         # The store lives in the caller, so the rendezvous survives any rank dying.
-        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.timeout))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
         self._write_meta(store.port)
         procs: list[subprocess.Popen] = []
         try:
@@ -189,26 +200,49 @@ class _Launch:
     def _write_meta(self, port: int) -> None:
         # Source lines of cells (IPython keeps them only in linecache) so tracebacks show them.
         cells = {k: v for k, v in linecache.cache.items() if len(v) == 4 and v[1] is None}
-        meta = dict(world_size=self.world_size, backend=self.backend, timeout=self.timeout,
-                    port=port, sys_path=list(sys.path), cwd=os.getcwd(), cells=cells,
-                    parent_pid=os.getpid())
+        meta = dict(
+            world_size=self.world_size,
+            backend=self.backend,
+            timeout=self.timeout,
+            port=port,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            cells=cells,
+            parent_pid=os.getpid(),
+        )
         (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
 
     def _start(self, rank: int, port: int) -> subprocess.Popen:
         threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
         package_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads), DMLBOOK_THREADS=str(threads),
-                   RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            DMLBOOK_THREADS=str(threads),
+            RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        )
         if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
             env["GLOO_SOCKET_IFNAME"] = lo
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from dmlbook.launch import _rank_main; _rank_main()",
-             str(self.workdir), str(rank)],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-c",
+                "from dmlbook.launch import _rank_main; _rank_main()",
+                str(self.workdir),
+                str(rank),
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: killpg reaches its children too
         )
         for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
@@ -247,7 +281,7 @@ class _Launch:
         first_failure_seen = None
         while True:
             self._drain_output()
-            for rank, proc in enumerate(procs):
+            for rank in range(self.world_size):
                 if rank in results or rank in failures:
                     continue
                 result_file = self.workdir / f"result{rank}.pkl"
@@ -280,7 +314,10 @@ class _Launch:
             error = RankError(
                 f"rank {rank} failed first: {report['summary']}\n\n"
                 f"Traceback of rank {rank} (most recent call last):\n{report['traceback']}",
-                rank, code, report["traceback"])
+                rank,
+                code,
+                report["traceback"],
+            )
             try:
                 error.__cause__ = pickle.loads(report["exception"])
             except Exception:
@@ -289,8 +326,9 @@ class _Launch:
         how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
         tail = "\n".join(self.stderr_tail[rank][-10:])
         message = f"rank {rank} failed first: it died with {how} and no Python traceback"
-        return (False, died_at), RankError(message + (f"\nLast stderr lines:\n{tail}" if tail else ""),
-                                      rank, code)
+        return (False, died_at), RankError(
+            message + (f"\nLast stderr lines:\n{tail}" if tail else ""), rank, code
+        )
 
     def _timeout_error(self, procs, stuck: list[int]) -> RankTimeoutError:
         """Ask each stuck rank for its Python stacks (faulthandler on SIGUSR1), then report them."""
@@ -308,7 +346,9 @@ class _Launch:
             stacks[rank] = _readable_dump(path.read_text() if path.exists() else "(no dump)")
         body = "\n".join(f"--- rank {r} is stuck here ---\n{stacks[r]}" for r in stuck)
         return RankTimeoutError(
-            f"ranks {stuck} still running after the {self.timeout:g} s timeout\n{body}", stuck, stacks
+            f"ranks {stuck} still running after the {self.timeout:g} s timeout\n{body}",
+            stuck,
+            stacks,
         )
 
 
@@ -393,8 +433,9 @@ def _init_process_group(rank: int, meta: dict) -> None:
     store = dist.TCPStore("127.0.0.1", meta["port"], None, False, timeout=timeout)
     if meta["backend"] == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(meta["backend"], store=store, rank=rank,
-                            world_size=meta["world_size"], timeout=timeout)
+    dist.init_process_group(
+        meta["backend"], store=store, rank=rank, world_size=meta["world_size"], timeout=timeout
+    )
 
 
 def _report_failure(workdir: Path, rank: int, e: BaseException) -> None:
@@ -406,8 +447,9 @@ def _report_failure(workdir: Path, rank: int, e: BaseException) -> None:
         exception = cloudpickle.dumps(e)
     except Exception:
         exception = b""
-    report = dict(time=time.time(), summary=f"{type(e).__name__}: {e}", traceback=text,
-                  exception=exception)
+    report = dict(
+        time=time.time(), summary=f"{type(e).__name__}: {e}", traceback=text, exception=exception
+    )
     _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
 
 

@@ -22,8 +22,10 @@ def whoami() -> tuple[int, int, int]:
     """(global rank, local rank on its machine, world size seen by an all-reduce of ones)."""
     ones = torch.ones(1, device=device())
     dist.all_reduce(ones)  # every rank contributes 1
-    print(f"host {socket.gethostname()}: rank {dist.get_rank()} local rank "
-          f"{os.environ['LOCAL_RANK']} on {device()}")
+    print(
+        f"host {socket.gethostname()}: rank {dist.get_rank()} local rank "
+        f"{os.environ['LOCAL_RANK']} on {device()}"
+    )
     return dist.get_rank(), int(os.environ["LOCAL_RANK"]), int(ones.item())
 
 

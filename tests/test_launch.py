@@ -50,9 +50,15 @@ def _assert_no_orphans(piddir: Path, world_size: int) -> None:
 def report(offset):
     t = torch.tensor([dist.get_rank() + offset])
     dist.all_reduce(t)
-    return dict(rank=dist.get_rank(), world=dist.get_world_size(), total=t.item(),
-                threads=torch.get_num_threads(), device=str(launch.device()),
-                local_rank=int(os.environ["LOCAL_RANK"]), backend=dist.get_backend())
+    return dict(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        total=t.item(),
+        threads=torch.get_num_threads(),
+        device=str(launch.device()),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        backend=dist.get_backend(),
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -84,7 +90,8 @@ def test_rank_output_is_shown_marked_with_its_rank(capsys):
 def test_function_defined_in_main_script(tmp_path):
     # No `if __name__ == "__main__"` guard: the ranks never re-import the caller's script.
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         from dmlbook.launch import run
 
@@ -98,9 +105,11 @@ def test_function_defined_in_main_script(tmp_path):
             return t.item()
 
         print("RESULT", run(double_sum, 3, Box(5)))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert "RESULT [30, 30, 30]" in out.stdout
     assert out.stdout.count("RESULT") == 1  # the script body ran once, in the caller only
@@ -145,7 +154,11 @@ def test_earliest_failure_wins_over_lower_rank():
 def test_notebook_cell_function_keeps_its_source_lines():
     # IPython compiles each cell under a made-up file name and keeps the source in linecache only.
     name = "<ipython-input-7-0123456789ab>"
-    source = "def cell_fn():\n    import torch.distributed as dist\n    return 1 / (dist.get_rank() - 1)\n"
+    source = (
+        "def cell_fn():\n"
+        "    import torch.distributed as dist\n"
+        "    return 1 / (dist.get_rank() - 1)\n"
+    )
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     namespace = {"__name__": "__main__"}
     exec(compile(source, name, "exec"), namespace)
@@ -165,8 +178,9 @@ def exit_hard(piddir, how):
     dist.barrier()
 
 
-@pytest.mark.parametrize("how, code, words", [("exit", 3, "exit code 3"),
-                                               ("kill", -9, "signal SIGKILL")])
+@pytest.mark.parametrize(
+    "how, code, words", [("exit", 3, "exit code 3"), ("kill", -9, "signal SIGKILL")]
+)
 def test_rank_that_dies_without_traceback(tmp_path, how, code, words):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -257,8 +271,9 @@ def test_in_place_when_environment_defines_the_ranks(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match="WORLD_SIZE=1"):
         run(report, 2, 0)
@@ -267,10 +282,23 @@ def test_in_place_when_environment_defines_the_ranks(monkeypatch):
 
 
 def test_torchrun_standalone_runs_the_same_function():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "examples" / "hello_ranks.py")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "examples" / "hello_ranks.py"),
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # every rank returns the same list, indexed by rank
     assert out.stdout.count("results [(0, 0, 2), (1, 1, 2)]") == 2, out.stdout
