@@ -20,6 +20,7 @@ Chapter 3 puts a bucketed, overlapped ``DistributedDataParallel`` beside the nai
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -140,12 +141,13 @@ class ModelAveraging:
 
 @dataclass
 class History:
-    """What :func:`train` measured: per-step local loss, and test accuracy at evaluation steps."""
+    """What :func:`train` measured: per-step local loss and lr, test accuracy at evaluations."""
 
     loss: list[float] = field(default_factory=list)
-    eval_steps: list[int] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_seconds: list[float] = field(default_factory=list)  # wall time since training began
+    accuracy: list[float] = field(default_factory=list)
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -188,7 +190,7 @@ def train(
     steps_per_epoch = len(x) // global_batch  # incomplete global batches are dropped
     opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
     broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
-    history, step = History(), 0
+    history, step, start = History(), 0, time.perf_counter()
     for epoch in range(epochs):
         shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
         for t in range(steps_per_epoch):
@@ -206,6 +208,7 @@ def train(
             history.lr.append(lr_at(step - 1))
             if test is not None and eval_every and step % eval_every == 0:
                 history.eval_steps.append(step)
+                history.eval_seconds.append(time.perf_counter() - start)
                 history.accuracy.append(accuracy(model, *test))
     sync.finish(model, step, group)
     return history

@@ -1,0 +1,45 @@
+# Thin wrappers; the logic lives in pyproject.toml, dmlbook/ and tests/.
+# `make lab` and `make test` create .venv on first use. On a machine with GPUs, choose the torch
+# build you want, e.g. `make test TORCH=torch` (the default pins the CPU build used in CI).
+VENV    ?= .venv
+PYTHON  ?= python3
+TORCH   ?= torch==2.13.0
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install lab test test-unit test-notebooks bench lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab chapters/
+
+test: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m pytest tests chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-notebooks: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m pytest chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m dmlbook.bench all
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dmlbook tests examples
+	$(VENV)/bin/ruff format --check dmlbook tests examples
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format dmlbook tests examples
+	$(VENV)/bin/ruff check --fix dmlbook tests examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

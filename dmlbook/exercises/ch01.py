@@ -1,0 +1,208 @@
+"""Checkers for chapter 1's exercises ("Splitting input data").
+
+1. ``check_shard``: which dataset indices each rank trains on, as ``DistributedSampler`` gives
+   them without shuffling (:func:`dmlbook.datasets.shard_indices`).
+2. ``check_lr_schedule``: the linear scaling rule with gradual warm-up
+   (:func:`dmlbook.data_parallel.linear_scaling` and :func:`~dmlbook.data_parallel.warmup`).
+3. ``check_average_gradients``: synchronous SGD's model synchronisation, averaging the gradients
+   across real ranks with ``torch.distributed``
+   (:func:`dmlbook.data_parallel.average_gradients`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmlbook import launch, models
+from dmlbook.data_parallel import linear_scaling, warmup
+from dmlbook.datasets import shard_indices
+from dmlbook.exercises import ExerciseFailed, checker, learner_code
+
+__all__ = ["check_shard", "check_lr_schedule", "check_average_gradients"]
+
+# --------------------------------------------------------------------------- 1. sharding
+
+SHARD_LENGTHS = (1, 4, 5, 7, 10, 13)  # shorter than, equal to and not a multiple of world_size
+SHARD_WORLD_SIZES = (1, 2, 3, 4, 5)
+
+
+@checker("shard")
+def check_shard(fn: Callable[[int, int, int], list[int]]) -> str:
+    """Check ``fn(length, rank, world_size)``: rank's indices, unshuffled, as DistributedSampler.
+
+    Tried on every rank of world sizes 1 to 5 for datasets of 1 to 13 samples.
+    """
+    cases = 0
+    for length in SHARD_LENGTHS:
+        for world_size in SHARD_WORLD_SIZES:
+            every_rank = [
+                shard_indices(length, r, world_size, shuffle=False) for r in range(world_size)
+            ]
+            for rank, expected in enumerate(every_rank):
+                where = f"length={length}, rank={rank}, world_size={world_size}"
+                with learner_code(f"your function at ({where})"):
+                    got = fn(length, rank, world_size)
+                got = _as_list(got, f"at ({where})")
+                if got != expected:
+                    raise ExerciseFailed(
+                        f"at ({where}) expected {expected}, your function returned {got}.\n"
+                        f"Every rank's expected shard for length={length}, "
+                        f"world_size={world_size}: {every_rank}"
+                    )
+                cases += 1
+    return (
+        f"matches DistributedSampler(shuffle=False) on all {cases} (length, rank, world_size) cases"
+    )
+
+
+def _as_list(got, where: str) -> list:
+    if isinstance(got, torch.Tensor):
+        got = got.tolist()
+    try:
+        return list(got)
+    except TypeError:
+        raise ExerciseFailed(
+            f"{where} your function returned {got!r}, not a list of indices"
+        ) from None
+
+
+# --------------------------------------------------------------------------- 2. learning rate
+
+BASE_LR = 0.1
+BATCHES = ((256, 64), (256, 256), (256, 1024), (32, 96))  # (base, global): ratios 1/4, 1, 4, 3
+
+
+@checker("lr_schedule")
+def check_lr_schedule(fn: Callable[[int, float, int, int, int], float]) -> str:
+    """Check ``fn(step, base_lr, base_batch, global_batch, warmup_steps)``: the linear scaling rule
+    with gradual warm-up, on steps before, at the end of and after warm-up.
+    """
+    cases = 0
+    for warmup_steps in (5, 1):
+        steps = sorted(
+            {0, 1, warmup_steps - 1, warmup_steps, warmup_steps + 1, 2 * warmup_steps + 3}
+        )
+        for base_batch, global_batch in BATCHES:
+            peak = linear_scaling(BASE_LR, base_batch, global_batch)
+            for step in steps:
+                expected = warmup(peak, warmup_steps)(step)
+                call = (
+                    f"fn(step={step}, base_lr={BASE_LR}, base_batch={base_batch}, "
+                    f"global_batch={global_batch}, warmup_steps={warmup_steps})"
+                )
+                with learner_code(call):
+                    got = fn(step, BASE_LR, base_batch, global_batch, warmup_steps)
+                if isinstance(got, str | bytes) or not _is_number(got):
+                    raise ExerciseFailed(f"{call} returned {got!r}, which is not a number")
+                if not math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12):
+                    raise ExerciseFailed(
+                        f"{call} returned {float(got):.6g}, expected {expected:.6g} "
+                        f"(the peak learning rate for this global batch is {peak:.6g})"
+                    )
+                cases += 1
+    return f"right on all {cases} (step, batch sizes, warm-up) cases"
+
+
+def _is_number(x) -> bool:
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- 3. gradients
+
+WORLD_SIZE = 3  # not a power of two, and dividing by 2 is wrong
+
+
+def _model() -> nn.Module:
+    return models.mlp(seed=0, in_features=5, hidden=(4,), out_features=2)
+
+
+def _gradients_of(rank: int, model: nn.Module) -> list[torch.Tensor]:
+    """Rank ``rank``'s made-up gradients: any rank can regenerate any other's."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+def _average_gradients_on_rank(fn: Callable[[nn.Module], None]) -> dict:
+    """Rank function: give the model this rank's gradients, call ``fn``, report what it left."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()  # identical on every rank
+    every = [_gradients_of(r, model) for r in range(world)]  # [rank][parameter]
+    for p, grad in zip(model.parameters(), every[rank], strict=True):
+        p.grad = grad.clone()
+    before = [p.detach().clone() for p in model.parameters()]
+    fn(model)
+    params = list(model.parameters())
+    return dict(
+        names=[name for name, _ in model.named_parameters()],
+        own=every[rank],
+        total=[sum(grads[i] for grads in every) for i in range(len(params))],
+        got=[None if p.grad is None else p.grad.detach().clone() for p in params],
+        changed=[(p.detach() - b).abs().max().item() for p, b in zip(params, before, strict=True)],
+    )
+
+
+@checker("average_gradients")
+def check_average_gradients(fn: Callable[[nn.Module], None], timeout: float = 60.0) -> str:
+    """Check ``fn(model)``: on 3 real ranks, every gradient becomes its mean over the ranks."""
+    with learner_code(f"your function on {WORLD_SIZE} ranks"):
+        reports = launch.run(_average_gradients_on_rank, WORLD_SIZE, fn, timeout=timeout)
+    for rank, report in enumerate(reports):
+        for name, own, total, got, changed in zip(
+            report["names"],
+            report["own"],
+            report["total"],
+            report["got"],
+            report["changed"],
+            strict=True,
+        ):
+            _check_gradient(rank, name, own, total, got)
+            if changed != 0.0:
+                raise ExerciseFailed(
+                    f"on rank {rank} your function changed the parameter {name!r} (by up to "
+                    f"{changed:.3g}); it should change only the gradients (.grad)"
+                )
+    count = len(reports[0]["names"])
+    return f"all {count} gradients are the mean over {WORLD_SIZE} ranks, parameters untouched"
+
+
+def _check_gradient(rank: int, name: str, own, total, got) -> None:
+    where = f"on rank {rank}, the gradient of {name!r}"
+    if got is None:
+        raise ExerciseFailed(f"{where} is None after your function; average it in place")
+    if got.shape != own.shape:
+        raise ExerciseFailed(f"{where} has shape {tuple(got.shape)}, expected {tuple(own.shape)}")
+    expected = total / WORLD_SIZE
+    if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        return
+    if torch.allclose(got, own):
+        hint = "it is unchanged: your function did not average it"
+    elif torch.allclose(got, total, rtol=1e-5, atol=1e-6):
+        hint = f"it is the SUM over the ranks: divide by the world size ({WORLD_SIZE})"
+    else:
+        factor = (got * expected).sum() / (expected * expected).sum()  # least-squares got/expected
+        hint = "it is wrong"
+        if torch.allclose(got, factor * expected, rtol=1e-4, atol=1e-5):
+            hint = (
+                f"it is {factor.item():.4g} times the mean: divide the sum by the world size "
+                f"({WORLD_SIZE}), from dist.get_world_size()"
+            )
+    raise ExerciseFailed(
+        f"{where} is not the mean of the {WORLD_SIZE} ranks' gradients: {hint}.\n"
+        f"Expected {_head(expected)}, got {_head(got)} "
+        f"(this rank's own gradient was {_head(own)})"
+    )
+
+
+def _head(t: torch.Tensor, n: int = 4) -> str:
+    values = t.flatten().tolist()
+    shown = ", ".join(f"{v:.4g}" for v in values[:n])
+    return f"[{shown}{', ...' if len(values) > n else ''}]"
