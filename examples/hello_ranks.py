@@ -31,4 +31,6 @@ def whoami() -> tuple[int, int, int]:
 
 if __name__ == "__main__":
     world_size = int(sys.argv[1]) if len(sys.argv) > 1 else None  # None: torchrun decides
-    print("results", run(whoami, world_size))
+    results = run(whoami, world_size)
+    # One write per line: under torchrun every rank shares the terminal.
+    sys.stdout.write(f"rank {os.environ.get('RANK', 'caller')} results {results}\n")

@@ -142,3 +142,19 @@ def test_lr_schedule_is_applied_per_step():
     history = dp.train(_model(), x, y, global_batch=24, lr=dp.warmup(0.4, 4), epochs=1)
     assert history.lr[:5] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
     assert len(history.loss) == 10
+
+
+def train_on_device():
+    from dmlbook.launch import device
+
+    x, y = _data()
+    model = _model().to(device())
+    dp.train(model, x.to(device()), y.to(device()), **SETTINGS)
+    return {k: v.cpu() for k, v in _snapshot(model).items()}
+
+
+@pytest.mark.gpu
+def test_data_parallel_on_gpus_equals_cpu_reference(reference):
+    results = run(train_on_device, torch.cuda.device_count(), timeout=120)
+    for state in results:
+        _assert_same(state, reference, rtol=1e-4, atol=1e-5)

@@ -301,4 +301,25 @@ def test_torchrun_standalone_runs_the_same_function():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # every rank returns the same list, indexed by rank
-    assert out.stdout.count("results [(0, 0, 2), (1, 1, 2)]") == 2, out.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} results [(0, 0, 2), (1, 1, 2)]" in out.stdout, out.stdout
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+def report_on_device():
+    t = torch.ones(1, device=launch.device())
+    dist.all_reduce(t)
+    return dict(
+        rank=dist.get_rank(), backend=dist.get_backend(), device=str(t.device), total=t.item()
+    )
+
+
+@pytest.mark.gpu
+def test_auto_backend_is_nccl_with_a_gpu_per_rank():
+    world_size = torch.cuda.device_count()
+    results = run(report_on_device, world_size, timeout=120)
+    for r in results:
+        assert r["backend"] == "nccl" and r["device"] == f"cuda:{r['rank']}"
+        assert r["total"] == world_size
