@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# JupyterLab refuses to run as root without --allow-root (containers, cloud VMs).
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab chapters/
+	$(VENV)/bin/jupyter lab $(LAB_ARGS) chapters/
 
 test: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest tests chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)

@@ -1,0 +1,14 @@
+"""dmlbook: from-scratch, tested implementations for *Distributed Machine Learning with Python*.
+
+One module per technique, each naming the chapter that teaches it:
+
+* ``launch``: run a rank function on N processes, or in place under torchrun (every chapter)
+* ``datasets``, ``models``: shipped and generated data, loaders, and the shared small models
+* ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
+* ``data_parallel``: gradient and model averaging, the data-parallel loop, LR scaling (chapter 1)
+* ``viz``: plots from real runs
+* ``exercises``: automatic checkers for the notebooks' exercises
+* ``bench``: ``python -m dmlbook.bench``, each implementation against torch's own
+"""
+
+__version__ = "0.1.0"

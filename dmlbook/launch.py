@@ -19,7 +19,6 @@ returns or raises.
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import linecache
 import os
 import pickle
@@ -32,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,8 @@ from typing import Any
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from dmlbook import _rank_process
 
 __all__ = ["run", "device", "RankError", "RankTimeoutError"]
 
@@ -235,7 +235,7 @@ class _Launch:
             [
                 sys.executable,
                 "-c",
-                "from dmlbook.launch import _rank_main; _rank_main()",
+                "from dmlbook._rank_process import main; main()",
                 str(self.workdir),
                 str(rank),
             ],
@@ -286,7 +286,7 @@ class _Launch:
                     continue
                 result_file = self.workdir / f"result{rank}.pkl"
                 if result_file.exists():
-                    results[rank] = pickle.loads(result_file.read_bytes())
+                    results[rank] = _load_result(rank, result_file)
                 elif rank in self.exits:
                     failures[rank] = self._failure(rank, *self.exits[rank])
             if failures:
@@ -313,7 +313,7 @@ class _Launch:
             report = pickle.loads(report_file.read_bytes())
             error = RankError(
                 f"rank {rank} failed first: {report['summary']}\n\n"
-                f"Traceback of rank {rank} (most recent call last):\n{report['traceback']}",
+                f"On rank {rank}:\n{report['traceback']}",
                 rank,
                 code,
                 report["traceback"],
@@ -356,18 +356,27 @@ def _readable_dump(dump: str) -> str:
     """Keep the user's threads and frames of a faulthandler dump, each with its source line."""
     threads = []
     for block in dump.strip().split("\n\n"):
-        if f'File "{__file__}", line' in block and " in watch" in block:
+        if f'File "{_rank_process.__file__}", line' in block and " in watch" in block:
             continue  # the launcher's parent-watching thread
         lines = []
         for line in block.splitlines():
             m = re.match(r'\s+File "(.+)", line (\d+) in ', line)
-            if m and m.group(1) in (__file__, "<string>"):
+            if m and m.group(1) in (_rank_process.__file__, "<string>"):
                 continue  # the launcher's own frames
             lines.append(line)
             if m and (src := linecache.getline(m.group(1), int(m.group(2))).strip()):
                 lines.append(f"    {src}")
         threads.append("\n".join(lines))
     return "\n\n".join(threads)
+
+
+def _load_result(rank: int, path: Path) -> Any:
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception as e:  # e.g. an instance of a class this process cannot import
+        raise RankError(
+            f"rank {rank} returned a result the caller cannot unpickle: {e}", rank
+        ) from e
 
 
 def _wait_then_kill(procs: list[subprocess.Popen], grace: float) -> None:
@@ -393,78 +402,3 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def _loopback_interface() -> str | None:
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n in ("lo", "lo0")), None)
-
-
-# --------------------------------------------------------------------------- inside a rank
-
-
-def _rank_main() -> None:
-    """Entry point of a rank process: set up, call fn, write its result or its failure."""
-    workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
-    stack_file = open(workdir / f"stack{rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    faulthandler.enable()  # a segfault still prints a Python stack on stderr
-    meta = pickle.loads((workdir / "meta.pkl").read_bytes())
-    _exit_with_parent(meta["parent_pid"])
-    torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
-    sys.path[:] = meta["sys_path"]
-    os.chdir(meta["cwd"])
-    linecache.cache.update(meta["cells"])
-    try:
-        fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
-        _init_process_group(rank, meta)
-        result = fn(*args, **kwargs)
-        _write_atomic(workdir / f"result{rank}.pkl", cloudpickle.dumps(result))
-    except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
-        _report_failure(workdir, rank, e)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's slow teardown of torch (0.5-1 s). It also means that a DDP object
-    # is never freed after its group is gone, which can block on a gloo thread (pytorch#56297).
-    os._exit(0)
-
-
-def _init_process_group(rank: int, meta: dict) -> None:
-    timeout = datetime.timedelta(seconds=meta["timeout"] + 10)  # the caller's deadline comes first
-    store = dist.TCPStore("127.0.0.1", meta["port"], None, False, timeout=timeout)
-    if meta["backend"] == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        meta["backend"], store=store, rank=rank, world_size=meta["world_size"], timeout=timeout
-    )
-
-
-def _report_failure(workdir: Path, rank: int, e: BaseException) -> None:
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # hide the launcher's own frames
-    text = "".join(traceback.format_exception(type(e), e, tb))
-    try:
-        exception = cloudpickle.dumps(e)
-    except Exception:
-        exception = b""
-    report = dict(
-        time=time.time(), summary=f"{type(e).__name__}: {e}", traceback=text, exception=exception
-    )
-    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # the caller sees the whole file or none of it
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """If the caller dies (a killed notebook kernel), take this rank and its children down too."""
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-
-    threading.Thread(target=watch, daemon=True).start()

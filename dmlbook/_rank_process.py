@@ -1,0 +1,96 @@
+"""What runs inside each rank process that :func:`dmlbook.launch.run` starts.
+
+The caller and a rank talk through files in a private temporary folder: ``meta.pkl`` and
+``payload.pkl`` in, then ``result<rank>.pkl`` or ``error<rank>.pkl`` out, each written
+atomically; ``stack<rank>.txt`` receives a faulthandler dump when the caller sends SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import linecache
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    """Entry point of a rank process: set up, call fn, write its result or its failure."""
+    workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    stack_file = open(workdir / f"stack{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable()  # a segfault still prints a Python stack on stderr
+    meta = pickle.loads((workdir / "meta.pkl").read_bytes())
+    _exit_with_parent(meta["parent_pid"])
+    torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
+    sys.path[:] = meta["sys_path"]
+    os.chdir(meta["cwd"])
+    linecache.cache.update(meta["cells"])
+    try:
+        fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
+        _init_process_group(rank, meta)
+        result = fn(*args, **kwargs)
+        _write_atomic(workdir / f"result{rank}.pkl", cloudpickle.dumps(result))
+    except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
+        _report_failure(workdir, rank, e, failed_at=time.time())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's slow teardown of torch (0.5-1 s). It also means that a DDP object
+    # is never freed after its group is gone, which can block on a gloo thread (pytorch#56297).
+    os._exit(0)
+
+
+def _init_process_group(rank: int, meta: dict) -> None:
+    timeout = datetime.timedelta(seconds=meta["timeout"] + 10)  # the caller's deadline comes first
+    store = dist.TCPStore("127.0.0.1", meta["port"], None, False, timeout=timeout)
+    if meta["backend"] == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        meta["backend"], store=store, rank=rank, world_size=meta["world_size"], timeout=timeout
+    )
+
+
+def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # hide this module's own frames
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    try:
+        exception = cloudpickle.dumps(e)
+    except Exception:
+        exception = b""
+    report = dict(
+        time=failed_at, summary=f"{type(e).__name__}: {e}", traceback=text, exception=exception
+    )
+    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # the caller sees the whole file or none of it
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """If the caller dies (a killed notebook kernel), take this rank and its children down too."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
