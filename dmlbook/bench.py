@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dmlbook import data_parallel as dp
-from dmlbook.launch import run
+from dmlbook.launch import run, threads_per_rank
 from dmlbook.models import mlp
 
 
@@ -45,7 +45,7 @@ def _one_all_reduce() -> float:
 def _torch_spawn_rank(rank: int, world_size: int, port: int) -> None:
     # What torch's own spawn needs around the same rank function: env, init, destroy.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    torch.set_num_threads(threads_per_rank(world_size))
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from dmlbook import _rank_process
 
-__all__ = ["run", "device", "RankError", "RankTimeoutError"]
+__all__ = ["run", "device", "threads_per_rank", "RankError", "RankTimeoutError"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 # After the last rank has returned its result, how long it may take to exit before it is killed.
@@ -80,6 +80,12 @@ def device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each of ``world_size`` local ranks gets, so that together they fill the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
 
 
 def run(
@@ -213,7 +219,7 @@ class _Launch:
         (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
 
     def _start(self, rank: int, port: int) -> subprocess.Popen:
-        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size)
+        threads = threads_per_rank(self.world_size)
         package_root = str(Path(__file__).resolve().parent.parent)
         env = dict(
             os.environ,

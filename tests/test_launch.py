@@ -64,13 +64,14 @@ def report(offset):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_results_come_back_by_rank(world_size):
     results = run(report, world_size, 10)
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))  # Linux: the cores this process may use
     expected_total = sum(range(world_size)) + 10 * world_size
     assert [r["rank"] for r in results] == list(range(world_size))
     assert [r["local_rank"] for r in results] == list(range(world_size))
     for r in results:
         assert r["world"] == world_size and r["total"] == expected_total
         assert r["threads"] == max(1, cores // world_size)  # never more threads than cores
+        assert r["threads"] == launch.threads_per_rank(world_size)
         assert r["device"] == "cpu" and r["backend"] == "gloo"
 
 
