@@ -12,6 +12,7 @@ import faulthandler
 import linecache
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -31,7 +32,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable()  # a segfault still prints a Python stack on stderr
     meta = pickle.loads((workdir / "meta.pkl").read_bytes())
-    _exit_with_parent(meta["parent_pid"])
+    _exit_with_parent(meta["parent_pid"], workdir)
     torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
     sys.path[:] = meta["sys_path"]
     os.chdir(meta["cwd"])
@@ -46,7 +47,8 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # fn may have destroyed it already, as DDP tutorials do
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip the interpreter's slow teardown of torch (0.5-1 s). It also means that a DDP object
@@ -73,9 +75,11 @@ def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float
         exception = cloudpickle.dumps(e)
     except Exception:
         exception = b""
-    report = dict(
-        time=failed_at, summary=f"{type(e).__name__}: {e}", traceback=text, exception=exception
-    )
+    try:
+        summary = f"{type(e).__name__}: {e}"
+    except Exception:  # an exception whose __str__ itself fails
+        summary = f"{type(e).__name__}: <str() failed>"
+    report = dict(time=failed_at, summary=summary, traceback=text, exception=exception)
     _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
 
 
@@ -85,12 +89,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)  # the caller sees the whole file or none of it
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """If the caller dies (a killed notebook kernel), take this rank and its children down too."""
+def _exit_with_parent(parent_pid: int, workdir: Path) -> None:
+    """If the caller dies (a killed notebook kernel), take this rank and its children down too,
+    and remove the launch folder that the caller can no longer clean up."""
 
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)
+        shutil.rmtree(workdir, ignore_errors=True)
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()

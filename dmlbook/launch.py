@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import datetime
 import linecache
+import math
 import os
 import pickle
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +52,9 @@ EXIT_GRACE_S = 3.0
 # After the first failure, how long to wait for other ranks' error reports before killing them,
 # so that the rank that failed *first* is named, not the one we happened to notice first.
 FAILURE_GRACE_S = 0.3
+# Set in every rank that run() starts, so that a nested run() is refused rather than mistaken for
+# torchrun (the ranks also carry RANK and WORLD_SIZE).
+INSIDE_RUN = "DMLBOOK_INSIDE_RUN"
 # How gloo and NCCL say that a peer went away: such a rank failed because another one did.
 PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
@@ -101,8 +106,12 @@ def run(
         raise TypeError(f"run() needs a callable rank function, got {type(fn).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if os.environ.get(INSIDE_RUN):
+        raise RuntimeError(
+            "run() was called inside a rank that run() started; nesting is not supported"
+        )
     if _under_torchrun():
         return _run_in_place(fn, world_size, args, kwargs, backend, timeout)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -165,43 +174,42 @@ class _Launch:
 
     def __init__(self, fn, world_size, args, kwargs, backend, timeout):
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
-        self.workdir = Path(tempfile.mkdtemp(prefix="dmlbook-launch-"))
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs))
+            self.payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:
             raise TypeError(
                 f"cannot ship the rank function or its arguments to the ranks: {e}"
             ) from e
-        (self.workdir / "payload.pkl").write_bytes(payload)
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
 
     def __call__(self) -> list[Any]:
-        # The store lives in the caller, so the rendezvous survives any rank dying.
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            None,
-            True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
-        self._write_meta(store.port)
+        self.workdir = Path(tempfile.mkdtemp(prefix="dmlbook-launch-"))
         procs: list[subprocess.Popen] = []
         try:
-            procs = [self._start(rank, store.port) for rank in range(self.world_size)]
+            # The store lives in the caller, so the rendezvous survives any rank dying.
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                None,
+                True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+            (self.workdir / "payload.pkl").write_bytes(self.payload)
+            self._write_meta(store.port)
+            for rank in range(self.world_size):
+                procs.append(self._start(rank, store.port))  # so that finally kills each one
             return self._supervise(procs)
         finally:
             _kill(procs)
-            for pump in self.pumps:  # the pipes close once the ranks are gone
-                pump.join(timeout=1.0)
+            deadline = time.monotonic() + 1.0  # the pipes close once the ranks are gone
+            for pump in self.pumps:
+                pump.join(timeout=max(0.0, deadline - time.monotonic()))
             self._drain_output()
-            del store
-            for f in self.workdir.iterdir():
-                f.unlink()
-            self.workdir.rmdir()
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _write_meta(self, port: int) -> None:
         # Source lines of cells (IPython keeps them only in linecache) so tracebacks show them.
@@ -231,6 +239,7 @@ class _Launch:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
+            DMLBOOK_INSIDE_RUN="1",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
@@ -290,16 +299,16 @@ class _Launch:
             for rank in range(self.world_size):
                 if rank in results or rank in failures:
                     continue
-                result_file = self.workdir / f"result{rank}.pkl"
+                exited = self.exits.get(rank)  # look before the result file: a rank writes
+                result_file = self.workdir / f"result{rank}.pkl"  # its result, then exits
                 if result_file.exists():
                     results[rank] = _load_result(rank, result_file)
-                elif rank in self.exits:
-                    failures[rank] = self._failure(rank, *self.exits[rank])
+                elif exited is not None:
+                    failures[rank] = self._failure(rank, *exited)
             if failures:
                 first_failure_seen = first_failure_seen or time.monotonic()
                 if time.monotonic() - first_failure_seen >= FAILURE_GRACE_S:
-                    _, error = min(failures.values(), key=lambda f: f[0])
-                    raise error
+                    raise _first_failure(failures.values())
             elif len(results) == self.world_size:
                 _wait_then_kill(procs, EXIT_GRACE_S)
                 return [results[r] for r in range(self.world_size)]
@@ -308,48 +317,27 @@ class _Launch:
                 raise self._timeout_error(procs, stuck)
             time.sleep(0.01)
 
-    def _failure(self, rank: int, died_at: float, code: int):
-        """Turn a rank that exited without a result into ((is it a knock-on failure, when), error).
-
-        A rank whose collective broke because a peer vanished failed as a *consequence*; it can
-        even report before the parent sees the peer's death, so it sorts after every other failure.
-        """
+    def _failure(
+        self, rank: int, died_at: float, code: int
+    ) -> tuple[tuple[bool, float], RankError]:
+        """A rank that exited without a result, as ((is it a knock-on failure, when), error)."""
         report_file = self.workdir / f"error{rank}.pkl"
-        if report_file.exists():
-            report = pickle.loads(report_file.read_bytes())
-            error = RankError(
-                f"rank {rank} failed first: {report['summary']}\n\n"
-                f"On rank {rank}:\n{report['traceback']}",
-                rank,
-                code,
-                report["traceback"],
-            )
-            try:
-                error.__cause__ = pickle.loads(report["exception"])
-            except Exception:
-                pass
-            return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
-        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        tail = "\n".join(self.stderr_tail[rank][-10:])
-        message = f"rank {rank} failed first: it died with {how} and no Python traceback"
-        return (False, died_at), RankError(
-            message + (f"\nLast stderr lines:\n{tail}" if tail else ""), rank, code
-        )
+        report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
+        return _classify_failure(rank, report, died_at, code, self.stderr_tail[rank])
 
     def _timeout_error(self, procs, stuck: list[int]) -> RankTimeoutError:
         """Ask each stuck rank for its Python stacks (faulthandler on SIGUSR1), then report them."""
         for rank in stuck:
             if procs[rank].poll() is None:
                 os.kill(procs[rank].pid, signal.SIGUSR1)
-        stacks: dict[int, str] = {}
-        for rank in stuck:
-            path = self.workdir / f"stack{rank}.txt"
-            for _ in range(50):  # up to 0.5 s for the dump to appear
-                if path.exists() and path.stat().st_size > 0:
-                    break
-                time.sleep(0.01)
-            time.sleep(0.05)
-            stacks[rank] = _readable_dump(path.read_text() if path.exists() else "(no dump)")
+        paths = {rank: self.workdir / f"stack{rank}.txt" for rank in stuck}
+        deadline = time.monotonic() + 0.5  # one short wait for all the dumps together
+        while time.monotonic() < deadline and not all(
+            p.exists() and p.stat().st_size > 0 for p in paths.values()
+        ):
+            time.sleep(0.01)
+        time.sleep(0.05)  # let the last dump finish writing
+        stacks = {r: _readable_dump(p.read_text() if p.exists() else "") for r, p in paths.items()}
         body = "\n".join(f"--- rank {r} is stuck here ---\n{stacks[r]}" for r in stuck)
         return RankTimeoutError(
             f"ranks {stuck} still running after the {self.timeout:g} s timeout\n{body}",
@@ -358,8 +346,47 @@ class _Launch:
         )
 
 
+def _classify_failure(
+    rank: int, report: dict | None, died_at: float, code: int, stderr_tail: list[str]
+) -> tuple[tuple[bool, float], RankError]:
+    """A failed rank as ((is it a knock-on failure, when it failed), the error to raise).
+
+    ``report`` is what the rank wrote when it raised (None if it died without a word).
+    """
+    if report is None:
+        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        tail = "\n".join(stderr_tail[-10:])
+        message = f"rank {rank} failed first: it died with {how} and no Python traceback"
+        message += f"\nLast stderr lines:\n{tail}" if tail else ""
+        return (False, died_at), RankError(message, rank, code)
+    error = RankError(
+        f"rank {rank} failed first: {report['summary']}\n\nOn rank {rank}:\n{report['traceback']}",
+        rank,
+        code,
+        report["traceback"],
+    )
+    try:
+        error.__cause__ = pickle.loads(report["exception"])
+    except Exception:
+        pass
+    return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
+
+
+def _first_failure(failures) -> RankError:
+    """The error of the rank that failed first, knock-on failures last.
+
+    A rank whose collective broke because a peer vanished failed as a *consequence*. It can even
+    report before the caller sees the peer's death (a dying process closes its sockets before
+    the kernel reports its exit), so it is named only when no other rank failed.
+    """
+    _, error = min(failures, key=lambda f: f[0])
+    return error
+
+
 def _readable_dump(dump: str) -> str:
     """Keep the user's threads and frames of a faulthandler dump, each with its source line."""
+    if not dump.strip():
+        return "(no stack dump: the rank did not answer SIGUSR1)"
     threads = []
     for block in dump.strip().split("\n\n"):
         if f'File "{_rank_process.__file__}", line' in block and " in watch" in block:

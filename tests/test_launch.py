@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -240,6 +241,35 @@ def test_caller_interrupt_kills_ranks(tmp_path):
 # --------------------------------------------------------------------------- bad arguments
 
 
+# --------------------------------------------------------------------------- first failure
+
+
+def _report(t, summary):
+    return dict(time=t, summary=summary, traceback="Traceback ...", exception=b"")
+
+
+def test_first_failure_is_the_earliest():
+    # Rank 1 failed at t=3 but is classified second; order of discovery must not matter.
+    later = launch._classify_failure(0, _report(5.0, "KeyError: 'x'"), 5.1, 1, [])
+    earlier = launch._classify_failure(1, _report(3.0, "ValueError: bad"), 3.1, 1, [])
+    assert launch._first_failure([later, earlier]).rank == 1
+    assert launch._first_failure([earlier, later]).rank == 1
+
+
+def test_knock_on_failure_never_blames_the_victim():
+    # Rank 0's collective broke because rank 1 died; rank 0 even reported *before* the caller
+    # saw rank 1's exit (sockets close before the exit is reported).
+    victim = launch._classify_failure(
+        0, _report(10.000, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1"), 0, 1, []
+    )
+    culprit = launch._classify_failure(1, None, 10.005, -9, ["last words"])
+    first = launch._first_failure([victim, culprit])
+    assert first.rank == 1 and first.exitcode == -9
+    assert "signal SIGKILL" in str(first) and "last words" in str(first)
+    # a knock-on failure alone is still reported
+    assert launch._first_failure([victim]).rank == 0
+
+
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
 def test_bad_world_size(world_size):
     with pytest.raises(ValueError, match="world_size"):
@@ -251,10 +281,67 @@ def test_bad_arguments():
         run(42, 2)
     with pytest.raises(ValueError, match="backend"):
         run(report, 2, 0, backend="mpi")
-    with pytest.raises(ValueError, match="timeout"):
-        run(report, 2, 0, timeout=0)
+    for bad in (0, -1, float("inf"), float("nan"), "10"):
+        with pytest.raises(ValueError, match="timeout"):
+            run(report, 2, 0, timeout=bad)
     with pytest.raises(TypeError, match="cannot ship"):
         run(report, 2, threading.Lock())
+
+
+def destroys_its_own_group():
+    dist.destroy_process_group()  # as DDP tutorials end; the launcher must not trip over it
+    return "done"
+
+
+def returns_unpicklable():
+    return (i for i in range(3))  # a generator cannot be pickled
+
+
+def returns_foreign_class():
+    import sys
+    import types
+
+    module = types.ModuleType("only_in_this_rank")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    module.Thing.__module__ = "only_in_this_rank"
+    sys.modules["only_in_this_rank"] = module
+    return module.Thing()  # pickled by reference: the caller cannot import it
+
+
+def exits_with_system_exit():
+    raise SystemExit(4)
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no")
+
+
+def raises_unprintable():
+    raise Unprintable()
+
+
+def nests_run():
+    return run(report, 1, 0)
+
+
+def test_edge_cases_of_rank_functions(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # every launch folder lands here
+    assert run(destroys_its_own_group, 2) == ["done", "done"]
+    assert "Traceback" not in capsys.readouterr().err
+    cases = [
+        (returns_unpicklable, "cannot pickle"),
+        (returns_foreign_class, "cannot unpickle"),
+        (exits_with_system_exit, "SystemExit: 4"),
+        (raises_unprintable, "Unprintable"),
+        (nests_run, "nesting is not supported"),
+    ]
+    for fn, words in cases:
+        with pytest.raises(RankError, match=words):
+            run(fn, 1, timeout=30)
+    with pytest.raises(TypeError, match="cannot ship"):
+        run(report, 1, threading.Lock())
+    assert list(tmp_path.iterdir()) == []  # every launch folder was removed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
