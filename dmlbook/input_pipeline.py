@@ -33,27 +33,38 @@ __all__ = [
 ]
 
 
-def export_png_folder(images: np.ndarray, labels: np.ndarray, root: str | Path, size: int = 32):
-    """Write ``images`` (N, H, W), values 0..16 or 0..255, as ``root/<label>/<i>.png`` files."""
+def export_png_folder(
+    images: np.ndarray, labels: np.ndarray, root: str | Path, max_value: float, size: int = 32
+) -> Path:
+    """Write ``images`` (N, H, W), values 0..max_value, as 8-bit ``root/<label>/<i>.png`` files."""
+    if max_value <= 0:
+        raise ValueError(f"max_value must be > 0, got {max_value}")
     root = Path(root)
-    scale = 255 // int(images.max()) if images.max() <= 16 else 1
     for i, (image, label) in enumerate(zip(images, labels, strict=True)):
         folder = root / str(int(label))
         folder.mkdir(parents=True, exist_ok=True)
-        pixels = Image.fromarray((image * scale).astype(np.uint8))
+        gray = np.clip(np.asarray(image, dtype=np.float64) / max_value * 255, 0, 255).round()
+        pixels = Image.fromarray(gray.astype(np.uint8))
         pixels.resize((size, size), Image.BILINEAR).save(folder / f"{i:05d}.png")
     return root
 
 
 class PngFolder(Dataset):
-    """An image-folder dataset: open, decode, augment (pad-and-crop, noise), scale to [0, 1]."""
+    """An image-folder dataset: open, decode, augment (pad-and-crop, noise), scale to [0, 1].
+
+    The augmentation of sample ``i`` is drawn from ``(seed, epoch, i)``: reproducible, and new
+    every epoch once the training loop calls :meth:`set_epoch`, as with a DistributedSampler.
+    """
 
     def __init__(self, root: str | Path, augment: bool = True, seed: int = 0):
         self.files = sorted(Path(root).glob("*/*.png"))
         if not self.files:
             raise FileNotFoundError(f"no <label>/<name>.png files under {root}")
         self.labels = [int(f.parent.name) for f in self.files]
-        self.augment, self.seed = augment, seed
+        self.augment, self.seed, self.epoch = augment, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.files)
@@ -62,7 +73,7 @@ class PngFolder(Dataset):
         with Image.open(self.files[i]) as img:  # read + decode
             pixels = np.asarray(img, dtype=np.float32) / 255.0  # (H, W)
         if self.augment:  # the standard CIFAR recipe: pad by 2, random 32x32 crop, light noise
-            rng = np.random.default_rng((self.seed, i))
+            rng = np.random.default_rng((self.seed, self.epoch, i))
             h, w = pixels.shape
             padded = np.pad(pixels, 2)
             top, left = rng.integers(0, 5, size=2)

@@ -14,7 +14,7 @@ def folder(tmp_path_factory):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 17, size=(12, 8, 8)).astype(np.uint8)  # digits-like: 0..16
     labels = np.arange(12) % 3
-    root = ip.export_png_folder(images, labels, tmp_path_factory.mktemp("png"), size=16)
+    root = ip.export_png_folder(images, labels, tmp_path_factory.mktemp("png"), 16, size=16)
     return root, images, labels
 
 
@@ -28,8 +28,16 @@ def test_export_writes_an_image_folder_tree(folder):
     x, label = plain[0]
     assert x.shape == (1, 16, 16) and x.dtype == torch.float32
     assert 0.0 <= x.min() and x.max() <= 1.0
-    # brightest input pixel (16) maps to nearly full scale after scaling and resizing
-    assert x.max() > 0.5
+    assert x.max() > 0.5  # 16 of 16 is full scale before the resize blurs it
+
+
+def test_export_scales_by_max_value(tmp_path):
+    image = np.array([[[0, 8], [16, 16]]], dtype=np.uint8)
+    ip.export_png_folder(image, [0], tmp_path, max_value=16, size=2)
+    x, _ = ip.PngFolder(tmp_path, augment=False)[0]
+    torch.testing.assert_close(x[0], torch.tensor([[0.0, 128 / 255], [1.0, 1.0]]))
+    with pytest.raises(ValueError, match="max_value"):
+        ip.export_png_folder(image, [0], tmp_path, max_value=0)
 
 
 def test_augmentation_is_seeded_and_changes_pixels(folder):
@@ -38,6 +46,9 @@ def test_augmentation_is_seeded_and_changes_pixels(folder):
     torch.testing.assert_close(a[3][0], b[3][0])  # same seed, same sample: same augmentation
     assert not torch.equal(a[3][0], ip.PngFolder(root, seed=2)[3][0])
     assert not torch.equal(a[3][0], ip.PngFolder(root, augment=False)[3][0])
+    before = a[3][0]
+    a.set_epoch(1)  # a new epoch draws a new augmentation of the same sample
+    assert not torch.equal(a[3][0], before)
 
 
 def test_empty_folder_is_a_clear_error(tmp_path):
