@@ -43,17 +43,33 @@ def main() -> None:
         result = fn(*args, **kwargs)
         _write_atomic(workdir / f"result{rank}.pkl", cloudpickle.dumps(result))
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
-        _report_failure(workdir, rank, e, failed_at=time.time())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        try:
+            _report_failure(workdir, rank, e, failed_at=time.time())
+        finally:  # even if the report cannot be written (the caller and its folder are gone)
+            _exit(1, meta["parent_pid"], workdir)
     if dist.is_initialized():  # fn may have destroyed it already, as DDP tutorials do
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's slow teardown of torch (0.5-1 s). It also means that a DDP object
-    # is never freed after its group is gone, which can block on a gloo thread (pytorch#56297).
-    os._exit(0)
+    _exit(0, meta["parent_pid"], workdir)
+
+
+def _exit(code: int, parent_pid: int, workdir: Path) -> None:
+    """Leave at once. Skipping the interpreter's teardown of torch saves 0.5-1 s, and means a DDP
+    object is never freed after its group is gone, which can block on a gloo thread
+    (pytorch#56297). The caller kills what this rank started; if the caller is gone, we do."""
+    if os.getppid() != parent_pid:
+        _orphaned(workdir)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # nobody reads our output any more
+            pass
+    os._exit(code)
+
+
+def _orphaned(workdir: Path) -> None:
+    """The caller died: remove its launch folder and kill this rank's whole process group."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 def _init_process_group(rank: int, meta: dict) -> None:
@@ -96,7 +112,6 @@ def _exit_with_parent(parent_pid: int, workdir: Path) -> None:
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)
-        shutil.rmtree(workdir, ignore_errors=True)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        _orphaned(workdir)
 
     threading.Thread(target=watch, daemon=True).start()

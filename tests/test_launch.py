@@ -238,6 +238,33 @@ def test_caller_interrupt_kills_ranks(tmp_path):
     _assert_no_orphans(tmp_path, 2)
 
 
+def test_killed_caller_takes_its_ranks_along(tmp_path):
+    # A notebook kernel killed outright runs no finally: the ranks must notice and exit.
+    launch_dirs = tmp_path / "tmp"
+    launch_dirs.mkdir()
+    script = tmp_path / "caller.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import tempfile
+        tempfile.tempdir = {str(launch_dirs)!r}
+        from dmlbook.launch import run
+        from test_launch import stuck_here
+        run(stuck_here, 2, {str(tmp_path)!r}, timeout=120)
+    """)
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    caller = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        caller.kill()
+        caller.wait()
+    _assert_no_orphans(tmp_path, 2)  # waits up to 2 s for the ranks' watchdogs
+    assert list(launch_dirs.iterdir()) == []  # and they removed the launch folder
+
+
 # --------------------------------------------------------------------------- bad arguments
 
 
