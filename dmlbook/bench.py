@@ -2,6 +2,7 @@
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
     python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
+    python -m dmlbook.bench netlab           # TCP over a shaped netlab link vs its setting (root)
     python -m dmlbook.bench all
 
 Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
@@ -114,7 +115,27 @@ def bench_data_parallel(world_size: int = 2, steps: int = 30) -> None:
         _report(name, [1e3 * t for t in ours], [1e3 * t for t in theirs], unit="ms")
 
 
-BENCHES = {"launch": bench_launch, "data-parallel": bench_data_parallel}
+# --------------------------------------------------------------------------- network lab
+
+
+def bench_netlab(settings: tuple[str, ...] = ("100mbit", "300mbit", "1gbit")) -> None:
+    """One TCP stream between two netlab hosts against the rate the link is shaped to."""
+    from dmlbook import netlab
+
+    if reason := netlab.available():
+        print(f"netlab: skipped ({reason})")
+        return
+    for rate in settings:
+        with netlab.Lab(2, bandwidth=rate, prefix="bench") as lab:
+            runs = [netlab.tcp_throughput(lab, "h0", "h1", seconds=1.5) for _ in range(3)]
+        measured, target = statistics.median(runs) / 1e6, netlab.parse_rate(rate) / 1e6
+        print(
+            f"netlab TCP over a {rate:>8s} link          measured {measured:7.1f} Mbit/s   "
+            f"setting {target:7.1f} Mbit/s   ratio {measured / target:5.2f}x"
+        )
+
+
+BENCHES = {"launch": bench_launch, "data-parallel": bench_data_parallel, "netlab": bench_netlab}
 
 
 def main(argv: list[str] | None = None) -> None:

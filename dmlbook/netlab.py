@@ -1,0 +1,410 @@
+"""Several hosts on one machine: network namespaces on a shared switch, links shaped with tc.
+
+Chapter 3 runs data-parallel training under ``torchrun --nnodes 2`` across two such hosts, which
+is what "several machines" really means; chapter 4 sets the links' bandwidth to study
+communication bottlenecks. Each host is a Linux network namespace ``<prefix>-h<i>`` whose
+``eth0`` (address ``10.213.0.<i+1>``) is one end of a veth pair; the other end is a port of a
+bridge inside a switch namespace ``<prefix>-sw``. Nothing is created in the machine's own
+namespace, so the lab's subnet is unreachable from, and never routed to, the outside.
+
+Each link is shaped in both directions (the host's ``eth0`` and its switch port): ``tbf`` limits
+the rate; ``netem`` adds delay and loss where the kernel has it.
+
+    python -m dmlbook.netlab up --hosts 2 --bandwidth 1gbit [--delay 0.2ms] [--loss 0.1]
+    python -m dmlbook.netlab status
+    python -m dmlbook.netlab run h0 -- python -c "print('hello from h0')"
+    python -m dmlbook.netlab down
+
+From Python, ``with Lab(hosts=2, bandwidth="1gbit") as lab: lab.run("h1", [...])`` always tears
+the hosts down, even on error. Needs root and iproute2 (``ip``, ``tc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+__all__ = [
+    "Lab",
+    "NetlabError",
+    "available",
+    "down",
+    "parse_rate",
+    "parse_time",
+    "status",
+    "tcp_throughput",
+    "SUBNET",
+]
+
+SUBNET = "10.213.0"  # 10.213.0.0/24: private, and only ever inside this lab's namespaces
+UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class NetlabError(RuntimeError):
+    """The lab cannot do what was asked: not root, no iproute2, a name taken, a missing qdisc."""
+
+
+def parse_rate(text: str) -> float:
+    """``"100mbit"`` -> 1e8 bits per second (tc's units: bit, kbit, mbit, gbit, tbit)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*", str(text).lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"bad bandwidth {text!r}: use a number and a unit, e.g. 100mbit or 1gbit")
+    return float(m.group(1)) * UNITS[m.group(2)]
+
+
+def parse_time(text: str) -> float:
+    """``"0.2ms"`` -> 0.0002 seconds (units us, ms, s)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"bad delay {text!r}: use a number and a unit, e.g. 0.2ms or 5ms")
+    return float(m.group(1)) * TIME_UNITS[m.group(2)]
+
+
+def available() -> str | None:
+    """None if the lab can run here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "netlab needs root (it creates network namespaces)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"netlab needs iproute2: {tool!r} is not on PATH"
+    return None
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise NetlabError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
+    return out
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines() if line]
+
+
+@dataclass
+class Lab:
+    """N hosts on one switch; each link limited to ``bandwidth``, optionally delayed and lossy."""
+
+    hosts: int
+    bandwidth: str | None = None  # e.g. "1gbit"; None leaves the links unshaped
+    delay: str | None = None  # e.g. "0.2ms" one way per link end; needs the kernel's netem
+    loss: float | None = None  # percent of packets dropped per link end; needs netem
+    prefix: str = "dmlbook"  # namespace names: <prefix>-sw, <prefix>-h0, <prefix>-h1, ...
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 1:
+            raise ValueError(f"hosts must be an integer >= 1, got {self.hosts!r}")
+        if self.hosts > 250:
+            raise ValueError(f"at most 250 hosts fit in {SUBNET}.0/24, got {self.hosts}")
+        if self.bandwidth is not None:
+            parse_rate(self.bandwidth)
+        if self.delay is not None:
+            parse_time(self.delay)
+        if self.loss is not None and not 0 <= self.loss < 100:
+            raise ValueError(f"loss is a percentage in [0, 100), got {self.loss}")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", self.prefix):
+            raise ValueError(
+                f"prefix must be 1-12 lowercase letters or digits, got {self.prefix!r}"
+            )
+
+    # ----------------------------------------------------------------------- names
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    @property
+    def names(self) -> list[str]:
+        """The hosts' short names, ``h0``, ``h1``, ..."""
+        return [f"h{i}" for i in range(self.hosts)]
+
+    def namespace(self, host: str | int) -> str:
+        """The namespace of ``host`` (``"h1"`` or ``1``)."""
+        name = f"h{host}" if isinstance(host, int) else host
+        if name not in self.names:
+            raise ValueError(f"no host {host!r} in this lab; its hosts are {self.names}")
+        return f"{self.prefix}-{name}"
+
+    def address(self, host: str | int) -> str:
+        """The IPv4 address of ``host``'s ``eth0``."""
+        return f"{SUBNET}.{int(self.namespace(host).rsplit('-h', 1)[1]) + 1}"
+
+    # ----------------------------------------------------------------------- up and down
+
+    def up(self) -> Lab:
+        """Create the switch and the hosts; on any error, remove what was made and re-raise."""
+        if reason := available():
+            raise NetlabError(reason)
+        taken = {self.switch, *map(self.namespace, self.names)} & set(_namespaces())
+        if taken:
+            raise NetlabError(
+                f"namespaces {sorted(taken)} already exist: refusing to reuse them "
+                f"(`python -m dmlbook.netlab down --prefix {self.prefix}`)"
+            )
+        try:
+            _sh("ip", "netns", "add", self.switch)
+            _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for i, host in enumerate(self.names):
+                ns, port = self.namespace(host), f"p{i}"
+                _sh("ip", "netns", "add", ns)
+                # both ends are born inside their namespaces: nothing touches the machine's own
+                _sh(
+                    "ip",
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.switch,
+                )
+                _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                _sh("ip", "-n", self.switch, "link", "set", port, "up")
+                _sh("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+                _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape(ns, "eth0")  # host -> switch
+                self._shape(self.switch, port)  # switch -> host
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _shape(self, ns: str, dev: str) -> None:
+        tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
+        tbf_parent = ["root"]
+        if self.delay is not None or self.loss:
+            netem = ["netem"] + (["delay", self.delay] if self.delay else [])
+            netem += ["loss", f"{self.loss}%"] if self.loss else []
+            out = _sh(*tc, "root", "handle", "1:", *netem, check=False)
+            if out.returncode != 0:
+                raise NetlabError(
+                    "delay and loss need the kernel's netem qdisc (sch_netem), which this kernel "
+                    f"lacks ({out.stderr.strip().rstrip('.')}); bandwidth limits (tbf) work without"
+                )
+            tbf_parent = ["parent", "1:1", "handle", "10:"]
+        if self.bandwidth is not None:
+            rate = parse_rate(self.bandwidth)
+            burst = max(64 * 1024, int(rate / 8 * 0.001))  # >= 1 ms of traffic at full rate
+            _sh(
+                *tc,
+                *tbf_parent,
+                "tbf",
+                "rate",
+                f"{int(rate)}bit",
+                "burst",
+                str(burst),
+                "latency",
+                "20ms",
+            )
+
+    def down(self) -> None:
+        """Kill what runs on the hosts, delete them and the switch. Safe to call twice."""
+        down(self.prefix)
+
+    def __enter__(self) -> Lab:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # ----------------------------------------------------------------------- using the hosts
+
+    def command(self, host: str | int, cmd: list[str]) -> list[str]:
+        """``cmd`` as it runs inside ``host``: gloo told to use the host's own interface."""
+        return ["ip", "netns", "exec", self.namespace(host), "env", "GLOO_SOCKET_IFNAME=eth0", *cmd]
+
+    def torchrun(
+        self,
+        host: str | int,
+        nproc_per_node: int,
+        *script_and_args: str,
+        port: int = 29400,
+        job: str = "netlab",
+    ) -> list[str]:
+        """The torchrun command line that makes ``host`` one node of a job over every host.
+
+        h0 hosts the c10d rendezvous. On real machines torchrun recognises the rendezvous
+        host by its name; inside a namespace every host has the machine's name, so we say
+        which one it is (``is_host``) and which address each node has (``--local-addr``).
+        """
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.hosts),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.address(0)}:{port}",
+            "--rdzv-id",
+            job,
+            "--rdzv-conf",
+            f"is_host={int(self.namespace(host) == self.namespace(0))}",
+            "--local-addr",
+            self.address(host),
+            *script_and_args,
+        ]
+
+    def popen(self, host: str | int, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``cmd`` inside ``host``; ``kwargs`` go to :class:`subprocess.Popen`."""
+        return subprocess.Popen(self.command(host, cmd), **kwargs)
+
+    def run(self, host: str | int, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``cmd`` inside ``host`` to completion; ``kwargs`` go to :func:`subprocess.run`."""
+        return subprocess.run(self.command(host, cmd), **kwargs)
+
+    def kill(self, host: str | int) -> list[int]:
+        """Kill every process on ``host`` at once, as when a machine fails; returns their pids."""
+        return _kill_namespace(self.namespace(host))
+
+    def bytes_through(self, host: str | int) -> dict[str, int]:
+        """Bytes received and sent so far by ``host``'s ``eth0`` (the kernel's counters)."""
+        out = _sh("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", "dev", "eth0")
+        stats = json.loads(out.stdout)[0]["stats64"]
+        return {"rx": stats["rx"]["bytes"], "tx": stats["tx"]["bytes"]}
+
+
+def down(prefix: str = "dmlbook") -> list[str]:
+    """Kill every process in the lab's namespaces under ``prefix``, then delete them."""
+    ours = [ns for ns in _namespaces() if re.fullmatch(rf"{re.escape(prefix)}-(sw|h\d+)", ns)]
+    for ns in ours:
+        _kill_namespace(ns)
+        _sh("ip", "netns", "del", ns, check=False)
+    return ours
+
+
+def _kill_namespace(ns: str) -> list[int]:
+    """SIGKILL every process inside namespace ``ns``; returns their pids."""
+    pids = [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def status(prefix: str = "dmlbook") -> str:
+    """A table of the lab's hosts: namespace, address, and the qdiscs shaping its link."""
+    hosts = sorted(
+        (ns for ns in _namespaces() if re.fullmatch(rf"{prefix}-h\d+", ns)),
+        key=lambda ns: int(ns.rsplit("h", 1)[1]),
+    )
+    if not hosts:
+        return f"no netlab hosts with prefix {prefix!r}"
+    rows = []
+    for ns in hosts:
+        addr = json.loads(_sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
+        ip4 = [a["local"] for a in addr[0]["addr_info"] if a["family"] == "inet"]
+        qdiscs = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "eth0").stdout
+        shaping = "; ".join(_describe_qdisc(line) for line in qdiscs.strip().splitlines())
+        rows.append(f"{ns:16s} {', '.join(ip4):12s} {shaping}")
+    return "\n".join(rows)
+
+
+def _describe_qdisc(line: str) -> str:
+    """``qdisc tbf 8001: root refcnt 3 rate 200Mbit ...`` -> ``tbf rate 200Mbit ...``."""
+    parts = line.split()
+    rest = parts[parts.index("refcnt") + 2 :] if "refcnt" in parts else parts[4:]
+    return " ".join([parts[1], *rest]) if parts[1] != "noqueue" else "unshaped"
+
+
+TCP_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n, start = 0, None
+while b := c.recv(1 << 20):
+    start = start or time.perf_counter(); n += len(b)
+print(n * 8 / (time.perf_counter() - start))
+"""
+TCP_CLIENT = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); block = bytes(1 << 16)
+end = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end:
+    c.sendall(block)
+c.close()
+"""
+
+
+def tcp_throughput(lab: Lab, src: str | int, dst: str | int, seconds: float = 1.5) -> float:
+    """Bits per second that one TCP stream carries from ``src`` to ``dst`` (measured)."""
+    addr, port = lab.address(dst), "5201"
+    server = lab.popen(
+        dst, [sys.executable, "-c", TCP_SERVER, addr, port], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        server.stdout.readline()  # "ready"
+        lab.run(
+            src,
+            [sys.executable, "-c", TCP_CLIENT, addr, port, str(seconds)],
+            check=True,
+            timeout=seconds + 30,
+        )
+        return float(server.communicate(timeout=30)[0])
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dmlbook.netlab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--prefix", default="dmlbook", help="namespace name prefix")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    up = sub.add_parser("up", help="create the hosts")
+    up.add_argument("--hosts", type=int, required=True)
+    up.add_argument("--bandwidth", help="rate of each link, e.g. 1gbit")
+    up.add_argument("--delay", help="one-way delay at each link end, e.g. 0.2ms (needs netem)")
+    up.add_argument("--loss", type=float, help="percent of packets lost (needs netem)")
+    sub.add_parser("down", help="remove the hosts")
+    sub.add_parser("status", help="show the hosts")
+    run = sub.add_parser("run", help="run a command inside a host: run h0 -- CMD ...")
+    run.add_argument("host")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        if args.verb == "up":
+            lab = Lab(args.hosts, args.bandwidth, args.delay, args.loss, args.prefix).up()
+            print(status(lab.prefix))
+        elif args.verb == "down":
+            print("removed", " ".join(down(args.prefix)) or "nothing")
+        elif args.verb == "status":
+            print(status(args.prefix))
+        else:
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            ns = f"{args.prefix}-{args.host}"
+            if ns not in _namespaces():
+                raise NetlabError(f"no host {args.host!r} (namespace {ns}); see `status`")
+            hosts = sum(1 for n in _namespaces() if re.fullmatch(rf"{args.prefix}-h\d+", n))
+            return Lab(max(hosts, 1), prefix=args.prefix).run(args.host, cmd).returncode
+    except (NetlabError, ValueError) as e:
+        print(f"netlab: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

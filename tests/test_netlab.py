@@ -1,0 +1,178 @@
+"""The network lab: hosts in namespaces, shaped links, and torchrun across two hosts."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmlbook import data_parallel as dp
+from dmlbook import models, netlab
+from dmlbook.datasets import load_digits
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = f"t{os.getpid() % 100000}"  # this run's own namespaces; never the CLI's default
+
+needs_lab = pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    if netlab.available() is None:
+        assert netlab.down(PREFIX) == [], "a test left namespaces behind"
+
+
+# --------------------------------------------------------------------------- no root needed
+
+
+def test_rates_and_times_parse():
+    assert netlab.parse_rate("100mbit") == 1e8
+    assert netlab.parse_rate("1.5Gbit") == 1.5e9
+    assert netlab.parse_time("0.2ms") == pytest.approx(2e-4)
+    assert netlab.parse_time("5 ms") == pytest.approx(5e-3)
+    for bad in ("100", "fast", "10 furlongs", "-1mbit", "0mbit", "1mb"):
+        with pytest.raises(ValueError, match="bad bandwidth"):
+            netlab.parse_rate(bad)
+    with pytest.raises(ValueError, match="bad delay"):
+        netlab.parse_time("soon")
+
+
+def test_bad_lab_arguments():
+    for hosts in (0, -2, 1.5, True, 251):
+        with pytest.raises(ValueError, match="hosts"):
+            netlab.Lab(hosts)
+    with pytest.raises(ValueError, match="bandwidth"):
+        netlab.Lab(2, bandwidth="lots")
+    with pytest.raises(ValueError, match="loss"):
+        netlab.Lab(2, loss=120)
+    with pytest.raises(ValueError, match="prefix"):
+        netlab.Lab(2, prefix="Bad-Name")
+    lab = netlab.Lab(3)
+    assert lab.address("h2") == "10.213.0.3" and lab.namespace(0) == "dmlbook-h0"
+    with pytest.raises(ValueError, match="no host 'h3'"):
+        lab.namespace("h3")
+
+
+# --------------------------------------------------------------------------- real namespaces
+
+
+@pytest.mark.netns
+@needs_lab
+def test_up_status_down_and_refusals():
+    with netlab.Lab(2, bandwidth="200mbit", prefix=PREFIX) as lab:
+        table = netlab.status(PREFIX)
+        assert f"{PREFIX}-h0" in table and "10.213.0.2" in table and "rate 200Mbit" in table
+        with pytest.raises(netlab.NetlabError, match="already exist"):
+            netlab.Lab(2, prefix=PREFIX).up()  # refuses to reuse our namespaces
+        out = lab.run(
+            "h1",
+            ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == "eth0"
+        # the machine's own namespace never sees the lab's subnet
+        assert (
+            "10.213.0" not in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
+        )
+    assert netlab.down(PREFIX) == []
+
+
+@pytest.mark.netns
+@needs_lab
+def test_kill_a_host_and_down_leave_no_process():
+    lab = netlab.Lab(2, prefix=PREFIX).up()
+    try:
+        sleepers = [lab.popen(h, ["sleep", "600"]) for h in lab.names]
+        deadline = time.monotonic() + 5
+        while (
+            not all(
+                subprocess.run(
+                    ["ip", "netns", "pids", lab.namespace(h)], capture_output=True, text=True
+                ).stdout.split()
+                for h in lab.names
+            )
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert lab.kill("h0") == [sleepers[0].pid]  # a whole host fails ...
+        assert sleepers[0].wait(timeout=5) == -9
+        assert sleepers[1].poll() is None  # ... and the other one does not notice
+    finally:
+        lab.down()  # kills what still runs on h1
+    assert sleepers[1].wait(timeout=5) == -9
+
+
+@pytest.mark.netns
+@needs_lab
+def test_context_manager_tears_down_on_error():
+    with pytest.raises(KeyError):
+        with netlab.Lab(2, prefix=PREFIX):
+            raise KeyError("boom")
+    assert netlab.down(PREFIX) == []
+
+
+@pytest.mark.netns
+@needs_lab
+def test_shaped_link_never_carries_more_than_its_rate():
+    # Correctness of the shaping only; the measured figures are in `python -m dmlbook.bench netlab`.
+    with netlab.Lab(2, bandwidth="100mbit", prefix=PREFIX) as lab:
+        bits_per_s = netlab.tcp_throughput(lab, "h0", "h1", seconds=1.0)
+    assert 0.3e8 < bits_per_s <= 1.03e8
+
+
+@pytest.mark.netns
+@needs_lab
+def test_torchrun_across_two_hosts_equals_single_process(tmp_path):
+    out = tmp_path / "result.pt"
+    with netlab.Lab(2, bandwidth="1gbit", prefix=PREFIX) as lab:
+        before = [lab.bytes_through(h) for h in lab.names]
+        start = time.monotonic()
+        script = str(REPO / "examples" / "train_data_parallel.py")
+        procs = [
+            lab.popen(
+                host,
+                lab.torchrun(host, 2, script, "--out", str(out)),
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for host in lab.names
+        ]
+        try:
+            logs = [p.communicate(timeout=180)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        seconds = time.monotonic() - start
+        after = [lab.bytes_through(h) for h in lab.names]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    print(f"2 hosts x 2 processes under torchrun: {seconds:.1f} s")
+    saved = torch.load(out, weights_only=True)
+
+    # 2 hosts x 2 processes: global ranks 0-3, each host with local ranks 0 and 1
+    where = {(w["node"], w["local_rank"]): w["rank"] for w in saved["where"]}
+    assert sorted(where) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(where.values()) == [0, 1, 2, 3]
+    assert {w["interface"] for w in saved["where"]} == {"eth0"}
+
+    # the same weights as one process training on the global batch
+    x, y = load_digits("train")
+    reference = models.mlp(seed=0)
+    dp.train(reference, x, y, **saved["settings"])
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(saved["state"][k], v, rtol=1e-5, atol=1e-6)
+
+    # and the gradients really crossed the shaped links: every all-reduce must bring each host
+    # the other host's contribution to every parameter, so each host receives at least
+    # (steps x parameter bytes)
+    steps = saved["settings"]["epochs"] * (len(x) // saved["settings"]["global_batch"])
+    param_bytes = sum(v.numel() * v.element_size() for v in reference.parameters())
+    for b, a in zip(before, after, strict=True):
+        assert a["rx"] - b["rx"] >= steps * param_bytes
