@@ -6,6 +6,8 @@ One module per technique, each naming the chapter that teaches it:
 * ``datasets``, ``models``: shipped and generated data, loaders, and the shared small models
 * ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
 * ``data_parallel``: gradient and model averaging, the data-parallel loop, LR scaling (chapter 1)
+* ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
+  multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs
 * ``exercises``: automatic checkers for the notebooks' exercises
 * ``bench``: ``python -m dmlbook.bench``, each implementation against torch's own
