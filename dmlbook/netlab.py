@@ -7,6 +7,8 @@ communication bottlenecks. Each host is a Linux network namespace ``<prefix>-h<i
 bridge inside a switch namespace ``<prefix>-sw``. Nothing is created in the machine's own
 namespace, so the lab's subnet is unreachable from, and never routed to, the outside.
 
+With ``second_bandwidth`` every host also gets ``eth1`` (``10.213.0.<i+129>``) on a second
+bridge: two links of different rates between the same hosts, for chapter 4's hybrid transfer.
 Each link is shaped in both directions (the host's ``eth0`` and its switch port): ``tbf`` limits
 the rate; ``netem`` adds delay and loss where the kernel has it.
 
@@ -98,14 +100,16 @@ class Lab:
     delay: str | None = None  # e.g. "0.2ms" one way per link end; needs the kernel's netem
     loss: float | None = None  # percent of packets dropped per link end; needs netem
     prefix: str = "dmlbook"  # namespace names: <prefix>-sw, <prefix>-h0, <prefix>-h1, ...
+    second_bandwidth: str | None = None  # if set, a second link per host (eth1) at this rate
 
     def __post_init__(self) -> None:
         if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 1:
             raise ValueError(f"hosts must be an integer >= 1, got {self.hosts!r}")
-        if self.hosts > 250:
-            raise ValueError(f"at most 250 hosts fit in {SUBNET}.0/24, got {self.hosts}")
-        if self.bandwidth is not None:
-            parse_rate(self.bandwidth)
+        if self.hosts > 126:
+            raise ValueError(f"at most 126 hosts fit in {SUBNET}.0/25, got {self.hosts}")
+        for rate in (self.bandwidth, self.second_bandwidth):
+            if rate is not None:
+                parse_rate(rate)
         if self.delay is not None:
             parse_time(self.delay)
         if self.loss is not None and not 0 <= self.loss < 100:
@@ -133,9 +137,17 @@ class Lab:
             raise ValueError(f"no host {host!r} in this lab; its hosts are {self.names}")
         return f"{self.prefix}-{name}"
 
-    def address(self, host: str | int) -> str:
-        """The IPv4 address of ``host``'s ``eth0``."""
-        return f"{SUBNET}.{int(self.namespace(host).rsplit('-h', 1)[1]) + 1}"
+    @property
+    def links(self) -> dict[str, str | None]:
+        """Each host's interfaces and their rates: eth0, and eth1 if there is a second link."""
+        second = {"eth1": self.second_bandwidth} if self.second_bandwidth else {}
+        return {"eth0": self.bandwidth, **second}
+
+    def address(self, host: str | int, link: int = 0) -> str:
+        """The IPv4 address of ``host`` on link 0 (eth0, 10.213.0.0/25) or 1 (eth1, .128/25)."""
+        if link not in range(len(self.links)):
+            raise ValueError(f"no link {link}: this lab has links {list(range(len(self.links)))}")
+        return f"{SUBNET}.{int(self.namespace(host).rsplit('-h', 1)[1]) + 1 + 128 * link}"
 
     # ----------------------------------------------------------------------- up and down
 
@@ -151,40 +163,34 @@ class Lab:
             )
         try:
             _sh("ip", "netns", "add", self.switch)
-            _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for link in range(len(self.links)):  # one bridge per link: br0, br1
+                _sh("ip", "-n", self.switch, "link", "add", f"br{link}", "type", "bridge")
+                _sh("ip", "-n", self.switch, "link", "set", f"br{link}", "up")
             for i, host in enumerate(self.names):
-                ns, port = self.namespace(host), f"p{i}"
+                ns = self.namespace(host)
                 _sh("ip", "netns", "add", ns)
-                # both ends are born inside their namespaces: nothing touches the machine's own
-                _sh(
-                    "ip",
-                    "link",
-                    "add",
-                    "eth0",
-                    "netns",
-                    ns,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    port,
-                    "netns",
-                    self.switch,
-                )
-                _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-                _sh("ip", "-n", self.switch, "link", "set", port, "up")
-                _sh("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
-                _sh("ip", "-n", ns, "link", "set", "eth0", "up")
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                self._shape(ns, "eth0")  # host -> switch
-                self._shape(self.switch, port)  # switch -> host
+                for link, (dev, rate) in enumerate(self.links.items()):
+                    self._wire(ns, dev, f"{'pq'[link]}{i}", link, self.address(host, link), rate)
         except BaseException:
             self.down()
             raise
         return self
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _wire(self, ns: str, dev: str, port: str, link: int, address: str, rate) -> None:
+        """A veth pair from ``dev`` in host ``ns`` to ``port`` on switch bridge ``br<link>``."""
+        sw = ["ip", "-n", self.switch, "link", "set", port]
+        # both ends are born inside their namespaces: nothing touches the machine's own
+        _sh("ip", "link", "add", dev, "netns", ns, "type", "veth",
+            "peer", "name", port, "netns", self.switch)  # fmt: skip
+        _sh(*sw, "master", f"br{link}")
+        _sh(*sw, "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{address}/25", "dev", dev)
+        _sh("ip", "-n", ns, "link", "set", dev, "up")
+        self._shape(ns, dev, rate)  # host -> switch
+        self._shape(self.switch, port, rate)  # switch -> host
+
+    def _shape(self, ns: str, dev: str, bandwidth: str | None) -> None:
         tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
         tbf_parent = ["root"]
         if self.delay is not None or self.loss:
@@ -197,20 +203,11 @@ class Lab:
                     f"lacks ({out.stderr.strip().rstrip('.')}); bandwidth limits (tbf) work without"
                 )
             tbf_parent = ["parent", "1:1", "handle", "10:"]
-        if self.bandwidth is not None:
-            rate = parse_rate(self.bandwidth)
+        if bandwidth is not None:
+            rate = parse_rate(bandwidth)
             burst = max(64 * 1024, int(rate / 8 * 0.001))  # >= 1 ms of traffic at full rate
-            _sh(
-                *tc,
-                *tbf_parent,
-                "tbf",
-                "rate",
-                f"{int(rate)}bit",
-                "burst",
-                str(burst),
-                "latency",
-                "20ms",
-            )
+            _sh(*tc, *tbf_parent, "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
+                "latency", "20ms")  # fmt: skip
 
     def down(self) -> None:
         """Kill what runs on the hosts, delete them and the switch. Safe to call twice."""
@@ -275,9 +272,9 @@ class Lab:
         """Kill every process on ``host`` at once, as when a machine fails; returns their pids."""
         return _kill_namespace(self.namespace(host))
 
-    def bytes_through(self, host: str | int) -> dict[str, int]:
-        """Bytes received and sent so far by ``host``'s ``eth0`` (the kernel's counters)."""
-        out = _sh("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", "dev", "eth0")
+    def bytes_through(self, host: str | int, dev: str = "eth0") -> dict[str, int]:
+        """Bytes received and sent so far by ``host``'s ``dev`` (the kernel's counters)."""
+        out = _sh("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", "dev", dev)
         stats = json.loads(out.stdout)[0]["stats64"]
         return {"rx": stats["rx"]["bytes"], "tx": stats["tx"]["bytes"]}
 
@@ -312,11 +309,13 @@ def status(prefix: str = "dmlbook") -> str:
         return f"no netlab hosts with prefix {prefix!r}"
     rows = []
     for ns in hosts:
-        addr = json.loads(_sh("ip", "-n", ns, "-j", "addr", "show", "dev", "eth0").stdout)
-        ip4 = [a["local"] for a in addr[0]["addr_info"] if a["family"] == "inet"]
-        qdiscs = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "eth0").stdout
-        shaping = "; ".join(_describe_qdisc(line) for line in qdiscs.strip().splitlines())
-        rows.append(f"{ns:16s} {', '.join(ip4):12s} {shaping}")
+        for dev in json.loads(_sh("ip", "-n", ns, "-j", "addr", "show").stdout):
+            if not dev["ifname"].startswith("eth"):
+                continue
+            ip4 = [a["local"] for a in dev["addr_info"] if a["family"] == "inet"]
+            tc = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev["ifname"])
+            shaping = "; ".join(_describe_qdisc(line) for line in tc.stdout.strip().splitlines())
+            rows.append(f"{ns:16s} {dev['ifname']:5s} {', '.join(ip4):13s} {shaping}")
     return "\n".join(rows)
 
 
@@ -346,9 +345,11 @@ c.close()
 """
 
 
-def tcp_throughput(lab: Lab, src: str | int, dst: str | int, seconds: float = 1.5) -> float:
-    """Bits per second that one TCP stream carries from ``src`` to ``dst`` (measured)."""
-    addr, port = lab.address(dst), "5201"
+def tcp_throughput(
+    lab: Lab, src: str | int, dst: str | int, seconds: float = 1.5, link: int = 0
+) -> float:
+    """Bits per second that one TCP stream carries from ``src`` to ``dst`` over ``link``."""
+    addr, port = lab.address(dst, link), "5201"
     server = lab.popen(
         dst, [sys.executable, "-c", TCP_SERVER, addr, port], stdout=subprocess.PIPE, text=True
     )
@@ -379,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--bandwidth", help="rate of each link, e.g. 1gbit")
     up.add_argument("--delay", help="one-way delay at each link end, e.g. 0.2ms (needs netem)")
     up.add_argument("--loss", type=float, help="percent of packets lost (needs netem)")
+    up.add_argument("--second-bandwidth", help="add a second link per host (eth1) at this rate")
     sub.add_parser("down", help="remove the hosts")
     sub.add_parser("status", help="show the hosts")
     run = sub.add_parser("run", help="run a command inside a host: run h0 -- CMD ...")
@@ -387,7 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.verb == "up":
-            lab = Lab(args.hosts, args.bandwidth, args.delay, args.loss, args.prefix).up()
+            lab = Lab(
+                args.hosts,
+                args.bandwidth,
+                args.delay,
+                args.loss,
+                args.prefix,
+                args.second_bandwidth,
+            ).up()
             print(status(lab.prefix))
         elif args.verb == "down":
             print("removed", " ".join(down(args.prefix)) or "nothing")

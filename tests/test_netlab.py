@@ -41,7 +41,7 @@ def test_rates_and_times_parse():
 
 
 def test_bad_lab_arguments():
-    for hosts in (0, -2, 1.5, True, 251):
+    for hosts in (0, -2, 1.5, True, 127):
         with pytest.raises(ValueError, match="hosts"):
             netlab.Lab(hosts)
     with pytest.raises(ValueError, match="bandwidth"):
@@ -123,6 +123,24 @@ def test_shaped_link_never_carries_more_than_its_rate():
     with netlab.Lab(2, bandwidth="100mbit", prefix=PREFIX) as lab:
         bits_per_s = netlab.tcp_throughput(lab, "h0", "h1", seconds=1.0)
     assert 0.3e8 < bits_per_s <= 1.03e8
+
+
+@pytest.mark.netns
+@needs_lab
+def test_second_link_is_separate_and_separately_shaped():
+    # Chapter 4's hybrid transfer needs two links of different rates between the same hosts.
+    with netlab.Lab(2, bandwidth="1gbit", second_bandwidth="100mbit", prefix=PREFIX) as lab:
+        assert lab.address("h1", 1) == "10.213.0.130"
+        assert "eth1  10.213.0.130" in netlab.status(PREFIX)
+        before = {dev: lab.bytes_through("h1", dev) for dev in lab.links}
+        slow = netlab.tcp_throughput(lab, "h0", "h1", seconds=1.0, link=1)
+        after = {dev: lab.bytes_through("h1", dev) for dev in lab.links}
+    assert 0.3e8 < slow <= 1.03e8  # the second link's own limit, not the first's
+    received = {dev: after[dev]["rx"] - before[dev]["rx"] for dev in lab.links}
+    assert received["eth1"] > 0.9 * slow / 8 * 1.0  # the stream went over eth1 ...
+    assert received["eth0"] < 0.01 * received["eth1"]  # ... and not over eth0
+    with pytest.raises(ValueError, match="no link 2"):
+        lab.address("h0", 2)
 
 
 @pytest.mark.netns
