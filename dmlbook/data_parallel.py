@@ -195,8 +195,9 @@ def train(
         shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
         for t in range(steps_per_epoch):
             idx = shard[t * local_batch : (t + 1) * local_batch]  # this rank's part of batch t
+            history.lr.append(lr_at(step))
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
+                g["lr"] = history.lr[-1]
             loss = loss_fn(model(x[idx]), y[idx])  # compute
             opt.zero_grad(set_to_none=True)
             loss.backward()  # compute
@@ -205,7 +206,6 @@ def train(
             sync.after_step(model, step, group)  # communication (model averaging)
             step += 1
             history.loss.append(loss.item())
-            history.lr.append(lr_at(step - 1))
             if test is not None and eval_every and step % eval_every == 0:
                 history.eval_steps.append(step)
                 history.eval_seconds.append(time.perf_counter() - start)
