@@ -2,6 +2,8 @@
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
     python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
+    python -m dmlbook.bench allreduce --world-size 2 --sizes 64KiB,1MiB,16MiB,64MiB --json out.json
+                                             # every collectives.all_reduce algorithm vs gloo/NCCL
     python -m dmlbook.bench netlab           # TCP over a shaped netlab link vs its setting (root)
     python -m dmlbook.bench all
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import socket
 import statistics
@@ -23,8 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmlbook import collectives
 from dmlbook import data_parallel as dp
-from dmlbook.launch import run, threads_per_rank
+from dmlbook.launch import device, run, threads_per_rank
 from dmlbook.models import mlp
 
 
@@ -115,6 +119,108 @@ def bench_data_parallel(world_size: int = 2, steps: int = 30) -> None:
         _report(name, [1e3 * t for t in ours], [1e3 * t for t in theirs], unit="ms")
 
 
+# --------------------------------------------------------------------------- all-reduce
+
+_UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB' -> 65536, '1MiB' -> 1048576, '1000' -> 1000 (bytes)."""
+    t = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if t.endswith(unit) and t[: -len(unit)].strip():
+            return int(float(t[: -len(unit)]) * _UNITS[unit])
+    return int(t)
+
+
+def _time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
+    """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
+    repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's."""
+    dev = device()
+    contenders = [*collectives.ALGORITHMS, "torch"]
+    records = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+        times = {name: [] for name in contenders}
+        for i in range(warmup + repeats):
+            for name in contenders:
+                dist.barrier()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                if name == "torch":
+                    dist.all_reduce(tensor)
+                else:
+                    collectives.all_reduce(tensor, algorithm=name, check=check)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                if i >= warmup:
+                    times[name].append(elapsed.item())
+                tensor.fill_(1.0)  # keep the values bounded across repeats
+        records.append({name: statistics.median(t) for name, t in times.items()})
+    return records
+
+
+def bench_allreduce(
+    world_size: int = 2,
+    sizes: tuple[int, ...] = (64 << 10, 1 << 20, 16 << 20, 64 << 20),
+    repeats: int = 15,
+    warmup: int = 3,
+    check: bool = False,
+    json_path: str | None = None,
+) -> list[dict]:
+    """Median time of each dmlbook all-reduce algorithm against torch's, at each message size.
+
+    ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
+    The shape check (one extra round) is off unless ``check``; torch's all_reduce has none.
+    """
+    measured = run(_time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
+        0
+    ]
+    records = []
+    print(
+        f"all_reduce, float32, world size {world_size}, median of {repeats} "
+        f"(slowest rank), baseline torch.distributed.all_reduce"
+    )
+    print(
+        f"{'algorithm':>20s} {'bytes':>10s} {'median':>10s} {'torch':>10s} {'ratio':>6s} "
+        f"{'busbw GB/s':>10s}"
+    )
+    for nbytes, times in zip(sizes, measured, strict=True):
+        for algorithm in collectives.ALGORITHMS:
+            median_s, baseline = times[algorithm], times["torch"]
+            busbw = nbytes * 2 * (world_size - 1) / world_size / median_s / 1e9
+            records.append(
+                {
+                    "algorithm": algorithm,
+                    "world_size": world_size,
+                    "bytes": nbytes,
+                    "median_s": median_s,
+                    "baseline_median_s": baseline,
+                    "ratio": median_s / baseline,
+                    "busbw_GBps": busbw,
+                }
+            )
+            print(
+                f"{algorithm:>20s} {_human(nbytes):>10s} {1e3 * median_s:8.3f}ms "
+                f"{1e3 * baseline:8.3f}ms {median_s / baseline:5.2f}x {busbw:10.2f}"
+            )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {json_path}")
+    return records
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"
+
+
 # --------------------------------------------------------------------------- network lab
 
 
@@ -135,16 +241,32 @@ def bench_netlab(settings: tuple[str, ...] = ("100mbit", "300mbit", "1gbit")) ->
         )
 
 
-BENCHES = {"launch": bench_launch, "data-parallel": bench_data_parallel, "netlab": bench_netlab}
+BENCHES = ("launch", "data-parallel", "allreduce", "netlab")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dmlbook.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dmlbook.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("which", choices=[*BENCHES, "all"])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB,64MiB", help="allreduce sizes")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (allreduce)")
+    parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
+    parser.add_argument("--json", help="allreduce: write the records to this file")
     args = parser.parse_args(argv)
-    for name, bench in BENCHES.items():
-        if args.which in (name, "all"):
-            bench()
+    every = args.which == "all"
+    if every or args.which == "launch":
+        bench_launch()
+    if every or args.which == "data-parallel":
+        bench_data_parallel(args.world_size)
+    if every or args.which == "allreduce":
+        sizes = tuple(parse_size(s) for s in args.sizes.split(","))
+        bench_allreduce(args.world_size, sizes, args.repeats, check=args.check, json_path=args.json)
+    if every or args.which == "netlab":
+        bench_netlab()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""Chapter 2's collectives, built from send/recv, against torch's built-ins and a float64 reference.
+
+One launch per world size (1 to 5) runs every collective, algorithm, op, dtype and a range of
+lengths (shorter than the world size, not divisible by it, long enough for the ring to slice).
+Integers must match exactly. Floats must agree with torch's result and with a float64 reference
+computed on every rank from all ranks' inputs, within the rounding bound of a reduction over p
+terms: |error| <= p * eps(dtype) * sum_i |x_i| (PRODUCT: p * eps * |product|).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from dmlbook import collectives as C
+from dmlbook import costmodel
+from dmlbook.launch import RankError, run
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+OPS = {
+    "SUM": ReduceOp.SUM,
+    "AVG": ReduceOp.AVG,
+    "PRODUCT": ReduceOp.PRODUCT,
+    "MIN": ReduceOp.MIN,
+    "MAX": ReduceOp.MAX,
+}
+
+
+def _input(rank: int, n: int, dtype: torch.dtype, op: str, salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input: the same on every rank that asks, so each can build the reference."""
+    g = torch.Generator().manual_seed(1000 * rank + 17 * n + salt)
+    if dtype == torch.int64:
+        low, high = (1, 4) if op == "PRODUCT" else (-50, 50)
+        return torch.randint(low, high, (n,), generator=g)
+    if op == "PRODUCT":
+        x = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def _reference(inputs: list[torch.Tensor], op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 result of reducing ``inputs``, and the scale its rounding error is measured on."""
+    xs = torch.stack([x.double() for x in inputs])
+    p = len(inputs)
+    if op in ("SUM", "AVG"):
+        result, scale = xs.sum(0), xs.abs().sum(0)
+        if op == "AVG":
+            result, scale = result / p, scale / p
+    elif op == "PRODUCT":
+        result = xs.prod(0)
+        scale = result.abs()
+    else:
+        result = xs.max(0).values if op == "MAX" else xs.min(0).values
+        scale = torch.zeros_like(result)
+    return result, scale
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, p: int, slack: int = 1):
+    """Exact for integers; within ``slack`` x p x eps x scale (plus one rounding) for floats."""
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want.to(got.dtype))
+    eps = torch.finfo(got.dtype).eps
+    bound = slack * p * eps * scale + eps * want.double().abs()
+    return bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+def _lengths(p: int) -> list[int]:
+    return sorted({1, max(1, p - 1), 7, 1000 + p})
+
+
+def _check_everything(world: int) -> dict:
+    """Run every collective on this rank; return the failures and how many checks ran."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures, checks = [], 0
+
+    def expect(ok: bool, what: str) -> None:
+        nonlocal checks
+        checks += 1
+        if not ok:
+            failures.append(f"rank {rank}: {what}")
+
+    def same_on_all_ranks(t: torch.Tensor) -> bool:
+        everyone = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(everyone, t)
+        return all(torch.equal(e, everyone[0]) for e in everyone)
+
+    for dtype in DTYPES:
+        for op_name, op in OPS.items():
+            if op_name == "AVG" and dtype == torch.int64:
+                continue
+            for n in _lengths(p):
+                inputs = [_input(r, n, dtype, op_name) for r in range(p)]
+                want, scale = _reference(inputs, op_name)
+                theirs = inputs[rank].clone()
+                dist.all_reduce(theirs, op=op)
+                tag = f"{dtype} {op_name} n={n}"
+                for algorithm in C.ALGORITHMS:
+                    ours = inputs[rank].clone()
+                    C.all_reduce(ours, op=op, algorithm=algorithm)
+                    expect(_close(ours, want, scale, p), f"all_reduce {algorithm} {tag} vs float64")
+                    expect(_close(ours, theirs, scale, p, slack=2), f"{algorithm} {tag} vs torch")
+                    expect(same_on_all_ranks(ours), f"all_reduce {algorithm} {tag}: ranks differ")
+                for dst in range(p):
+                    ours = inputs[rank].clone()
+                    C.reduce(ours, dst=dst, op=op)
+                    if rank == dst:
+                        expect(_close(ours, want, scale, p), f"reduce dst={dst} {tag}")
+                    else:
+                        expect(torch.equal(ours, inputs[rank]), f"reduce {tag}: input changed")
+                outs = [_input(r, n * p, dtype, op_name, salt=1) for r in range(p)]
+                want_rs, scale_rs = _reference(outs, op_name)
+                mine = slice(rank * n, (rank + 1) * n)
+                ours = torch.empty(n, dtype=dtype)
+                C.reduce_scatter(ours, list(outs[rank].split(n)), op=op)
+                theirs = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(theirs, list(outs[rank].split(n)), op=op)
+                expect(_close(ours, want_rs[mine], scale_rs[mine], p), f"reduce_scatter {tag}")
+                expect(_close(ours, theirs, scale_rs[mine], p, slack=2), f"rs {tag} vs torch")
+        for n in _lengths(p):
+            x = [_input(r, n, dtype, "SUM", salt=2).view(-1, 1) for r in range(p)]  # 2-d
+            for root in range(p):
+                ours = x[rank].clone()
+                C.broadcast(ours, src=root)
+                expect(torch.equal(ours, x[root]), f"broadcast src={root} {dtype} n={n}")
+                got = [torch.empty_like(x[0]) for _ in range(p)] if rank == root else None
+                C.gather(x[rank], got, dst=root)
+                if rank == root:
+                    expect(
+                        all(torch.equal(g, w) for g, w in zip(got, x, strict=True)),
+                        f"gather {dtype} {n}",
+                    )
+                ours = torch.empty_like(x[0])
+                C.scatter(ours, list(x) if rank == root else None, src=root)
+                expect(torch.equal(ours, x[rank]), f"scatter src={root} {dtype} n={n}")
+            got = [torch.empty_like(x[0]) for _ in range(p)]
+            C.all_gather(got, x[rank])
+            theirs = [torch.empty_like(x[0]) for _ in range(p)]
+            dist.all_gather(theirs, x[rank])
+            expect(
+                all(torch.equal(g, w) for g, w in zip(got, x, strict=True)),
+                f"all_gather {dtype} n={n}",
+            )
+            expect(
+                all(torch.equal(g, w) for g, w in zip(got, theirs, strict=True)),
+                f"all_gather vs torch {n}",
+            )
+
+    # Long enough that every ring chunk travels as several slices; non-contiguous input too.
+    n = 3 * C.RING_SLICE_BYTES // 4 * p + 5
+    inputs = [_input(r, n, torch.float32, "SUM", salt=3) for r in range(p)]
+    want, scale = _reference(inputs, "SUM")
+    for algorithm in C.ALGORITHMS:
+        ours = inputs[rank].clone()
+        C.all_reduce(ours, algorithm=algorithm)
+        expect(_close(ours, want, scale, p), f"all_reduce {algorithm} sliced n={n}")
+    base = torch.stack([inputs[rank][:1000], inputs[rank][1000:2000]], dim=1)  # (1000, 2)
+    ours = base.t()  # non-contiguous view: the result must land in the caller's tensor
+    C.all_reduce(ours)
+    expect(_close(ours.t()[:, 0], want[:1000], scale[:1000], p), "non-contiguous all_reduce")
+    return {"failures": failures, "checks": checks}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_every_collective_matches_torch_and_float64(world):
+    results = run(_check_everything, world, world, timeout=200)
+    assert [f for r in results for f in r["failures"]] == []
+    combos = len(DTYPES) * len(OPS) - 1  # AVG of integers is refused
+    all_reduce_checks = combos * len(_lengths(world)) * len(C.ALGORITHMS) * 3
+    assert all(r["checks"] > all_reduce_checks for r in results)  # the checks really ran
+
+
+def _subgroups():
+    """Subgroups of 3 and 2 ranks out of 5; ranks outside a group call and get no change."""
+    rank = dist.get_rank()
+    odd_one_out = dist.new_group([0, 2, 4])
+    pair = dist.new_group([3, 1])
+    out = {}
+    for name, group, members in (("trio", odd_one_out, [0, 2, 4]), ("pair", pair, [1, 3])):
+        x = torch.tensor([float(rank + 1), 2.0**rank])
+        for algorithm in C.ALGORITHMS:
+            ours = x.clone()
+            C.all_reduce(
+                ours,
+                op=ReduceOp.MAX if algorithm == "tree" else ReduceOp.SUM,
+                group=group,
+                algorithm=algorithm,
+            )
+            theirs = x.clone()
+            if rank in members:
+                dist.all_reduce(
+                    theirs, op=ReduceOp.MAX if algorithm == "tree" else ReduceOp.SUM, group=group
+                )
+            out[(name, algorithm)] = torch.equal(ours, theirs)
+        root = members[-1]
+        ours = x.clone()
+        C.broadcast(ours, src=root, group=group)
+        out[(name, "broadcast")] = torch.equal(ours, torch.tensor([root + 1.0, 2.0**root])) or (
+            rank not in members and torch.equal(ours, x)
+        )
+        got = [torch.empty(2) for _ in members]
+        C.all_gather(got, x, group=group)
+        if rank in members:
+            out[(name, "all_gather")] = torch.equal(
+                torch.stack(got), torch.tensor([[m + 1.0, 2.0**m] for m in members])
+            )
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_subgroups_match_torch():
+    results = run(_subgroups, 5, timeout=40)
+    for rank, res in enumerate(results):
+        assert res and all(res.values()), (rank, res)
+
+
+def _trace(n: int, algorithm: str):
+    with C.recording() as sends:
+        C.all_reduce(torch.ones(n), algorithm=algorithm)
+    return sends
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [3, 4])
+def test_trace_counts_the_bytes_the_cost_model_counts(world):
+    """Bytes recorded by every rank add up to what each algorithm must move; the ring replay ends
+    with every rank holding every chunk summed over all ranks."""
+    n = 1001
+
+    def everything():
+        return {a: _trace(n, a) for a in C.ALGORITHMS}
+
+    traces = run(everything, world, timeout=40)
+    sent = {a: sum(s.nbytes for t in traces for s in t[a]) for a in C.ALGORITHMS}
+    pow2 = 1 << (world.bit_length() - 1)
+    extra = world - pow2
+    assert sent["ring"] == 2 * (world - 1) * n * 4
+    assert sent["tree"] == 2 * (world - 1) * n * 4
+    assert sent["naive"] == 2 * (world - 1) * n * 4
+    assert sent["recursive_doubling"] == (2 * extra + pow2 * int(math.log2(pow2))) * n * 4
+    # The busiest rank of the ring sends what the cost model charges the critical path, to within
+    # one element per chunk (the chunks differ by one element when n does not divide).
+    busiest = max(sum(s.nbytes for s in t["ring"]) for t in traces)
+    _, model_bytes, _ = costmodel.terms("ring", world, n * 4)
+    assert abs(busiest - model_bytes) <= 2 * (world - 1) * 4
+    states = C.chunk_holdings([s for t in traces for s in t["ring"]], world)
+    assert len(states) == 2 * (world - 1) + 1
+    everyone = frozenset(range(world))
+    assert all(chunk == everyone for row in states[-1] for chunk in row)
+    # After the reduce-scatter half, rank r (and only it) holds chunk r complete.
+    half = states[world - 1]
+    assert all((half[r][c] == everyone) == (r == c) for r in range(world) for c in range(world))
+
+
+def _mismatched_shapes():
+    rank = dist.get_rank()
+    C.all_reduce(torch.ones(4 + (rank == 2)))
+
+
+def _avg_of_integers():
+    C.all_reduce(torch.ones(3, dtype=torch.int64), op=ReduceOp.AVG)
+
+
+def _bad_root():
+    C.broadcast(torch.ones(3), src=dist.get_world_size())
+
+
+def _wrong_list():
+    C.all_gather([torch.empty(3)], torch.ones(3))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (_mismatched_shapes, r"different tensor shapes .*rank 2: \(5,\)"),
+        (_avg_of_integers, "AVG needs a floating dtype"),
+        (_bad_root, "src=3 is not a rank"),
+        (_wrong_list, "list of 3 tensors"),
+    ],
+)
+def test_bad_input_is_a_clear_error_not_a_hang(fn, message):
+    with pytest.raises(RankError, match=message):
+        run(fn, 3, timeout=20)
+
+
+def test_unknown_algorithm_and_dtype_are_refused_before_any_message():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        C.all_reduce(torch.ones(2), algorithm="butterfly")
+    with pytest.raises(TypeError, match="dtype torch.int8"):
+        C.all_reduce(torch.ones(2, dtype=torch.int8))
