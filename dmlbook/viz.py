@@ -1,7 +1,8 @@
 """Plots drawn from real runs: bars and curves with labelled axes, shared by every chapter.
 
 Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-against-global-batch
-sweep and the synchronisation-scheme curves with these two helpers; later chapters add timelines.
+sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
+chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 
-__all__ = ["bars", "curves"]
+__all__ = ["bars", "chunk_grid", "curves"]
 
 
 def bars(
@@ -55,4 +56,35 @@ def curves(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return ax
+
+
+def chunk_grid(
+    holdings: Sequence[Sequence[frozenset[int]]], title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """A ranks x chunks grid: each cell lists whose contributions that rank's copy of the chunk
+    holds (``holdings[rank][chunk]``, as :func:`dmlbook.collectives.chunk_holdings` replays them),
+    darker the more ranks it sums; a complete chunk is outlined.
+    """
+    world = len(holdings)
+    ax = ax or plt.subplots(figsize=(1.1 * world + 1, 0.7 * world + 0.8))[1]
+    shade = [[len(cell) / world for cell in row] for row in holdings]
+    ax.imshow(shade, cmap="Blues", vmin=0, vmax=1.6, aspect="auto")
+    for r, row in enumerate(holdings):
+        for c, cell in enumerate(row):
+            done = len(cell) == world
+            ax.text(
+                c,
+                r,
+                "all" if done else "+".join(map(str, sorted(cell))),
+                ha="center",
+                va="center",
+                fontsize=8,
+                fontweight="bold" if done else "normal",
+            )
+            if done:
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=2, ec="k"))
+    ax.set_xticks(range(world), [f"chunk {c}" for c in range(world)], fontsize=8)
+    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    ax.set_title(title, fontsize=9)
     return ax
