@@ -6,6 +6,11 @@ One module per technique, each naming the chapter that teaches it:
 * ``datasets``, ``models``: shipped and generated data, loaders, and the shared small models
 * ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
 * ``data_parallel``: gradient and model averaging, the data-parallel loop, LR scaling (chapter 1)
+* ``collectives``: every collective from send/recv; ring, tree, recursive-doubling and naive
+  all-reduce, with a message trace (chapters 2 and 4)
+* ``costmodel``: the alpha-beta model of each algorithm and of a parameter server, fitted to
+  measurements (chapters 2 and 4)
+* ``ps``: a sharded parameter server: synchronous, bounded staleness, asynchronous (chapter 2)
 * ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs
