@@ -1,0 +1,160 @@
+"""Checkers for chapter 3's exercises ("A data-parallel training and serving pipeline").
+
+1. ``check_sharded_accuracy``: write ``sharded_accuracy(model, x, y)``, the evaluation step of a
+   data-parallel pipeline: each rank scores its own shard of the test set, and one all-reduce of
+   (correct, count) makes the accuracy exact over the whole set, on every rank, even when the
+   shards differ in size (averaging the ranks' accuracies is then wrong).
+2. ``check_atomic_save``: write ``atomic_save(obj, path)``, the checkpointing rule that a crash
+   mid-save never destroys the last good checkpoint: write a temporary file in the same directory,
+   flush and fsync it, then rename it over ``path`` (:mod:`dmlbook.checkpoint` does this).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmlbook import launch, models
+from dmlbook.exercises import ExerciseFailed, checker, learner_code
+
+__all__ = ["check_sharded_accuracy", "check_atomic_save"]
+
+# --------------------------------------------------------------------------- 1. evaluation
+
+TEST_SIZES = ((2, 11), (3, 10), (4, 7))  # (world size, test samples): shards of unequal size
+
+
+def _eval_data(n: int):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _eval_model() -> nn.Module:
+    return models.mlp(seed=2, in_features=4, hidden=(8,), out_features=3)
+
+
+def _shard(n: int, rank: int, world: int) -> slice:
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def _sharded_accuracy_on_rank(fn: Callable, n: int) -> float:
+    x, y = _eval_data(n)
+    mine = _shard(n, dist.get_rank(), dist.get_world_size())
+    return float(fn(_eval_model(), x[mine], y[mine]))
+
+
+@checker("sharded_accuracy")
+def check_sharded_accuracy(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float]) -> str:
+    """Check ``fn(model, x_shard, y_shard)`` returns the accuracy over ALL ranks' shards on every
+    rank, at world sizes 2, 3 and 4 with shards of unequal sizes."""
+    for world, n in TEST_SIZES:
+        x, y = _eval_data(n)
+        with torch.no_grad():
+            right = _eval_model()(x).argmax(1) == y
+        expected = right.sum().item() / n
+        call = f"your function on {world} ranks, {n} test samples"
+        with learner_code(call):
+            got = launch.run(_sharded_accuracy_on_rank, world, fn, n, timeout=30)
+        for rank, value in enumerate(got):
+            if abs(value - expected) < 1e-6:
+                continue
+            shards = [_shard(n, r, world) for r in range(world)]
+            local = [right[s].sum().item() / (s.stop - s.start) for s in shards]
+            hint = ""
+            if abs(value - local[rank]) < 1e-6:
+                hint = ": that is this rank's own shard only. Combine the ranks with all_reduce"
+            elif abs(value - sum(local) / world) < 1e-6:
+                hint = (
+                    ": that is the mean of the ranks' accuracies, which weighs a small shard as "
+                    "much as a big one. All-reduce the counts (correct, total), then divide"
+                )
+            raise ExerciseFailed(
+                f"{call}: rank {rank} returned {value:.4f}, expected {expected:.4f} (shard sizes "
+                f"{[s.stop - s.start for s in shards]}){hint}"
+            )
+    return "exact over the whole test set at world sizes 2, 3 and 4, on every rank"
+
+
+# --------------------------------------------------------------------------- 2. atomic save
+
+
+class _CrashMidway:
+    """Pickling this raises, after torch.save has already written part of the file."""
+
+    def __reduce__(self):
+        raise RuntimeError("simulated crash in the middle of the save")
+
+
+def _calls_in_order(fn: Callable, obj, path: Path) -> list[str]:
+    """Call ``fn(obj, path)`` and return the fsync / rename calls it made, in order."""
+    calls: list[str] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        calls.append("fsync")
+        return real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        calls.append(f"rename {Path(src).parent == Path(dst).parent}")
+        return real_replace(src, dst, *args, **kwargs)
+
+    def rename(src, dst, *args, **kwargs):
+        calls.append(f"rename {Path(src).parent == Path(dst).parent}")
+        return real_rename(src, dst, *args, **kwargs)
+
+    os.fsync, os.replace, os.rename = fsync, replace, rename
+    try:
+        fn(obj, path)
+    finally:
+        os.fsync, os.replace, os.rename = real_fsync, real_replace, real_rename
+    return calls
+
+
+@checker("atomic_save")
+def check_atomic_save(fn: Callable[[object, Path], None]) -> str:
+    """Check ``fn(obj, path)``: saves ``obj`` (torch.save format) so that a crash in the middle
+    leaves the previous file at ``path`` intact, by writing a temporary file in the same directory,
+    fsyncing it, then renaming it over ``path``."""
+    with tempfile.TemporaryDirectory(prefix="atomic-save-") as d:
+        path = Path(d) / "checkpoint.pt"
+        first = {"step": 1, "weights": torch.arange(1000.0)}
+        with learner_code("your function saving a checkpoint"):
+            calls = _calls_in_order(fn, first, path)
+        if not path.exists():
+            raise ExerciseFailed(f"after your function, nothing was at {path.name}")
+        loaded = torch.load(path, weights_only=True)
+        if loaded["step"] != 1 or not torch.equal(loaded["weights"], first["weights"]):
+            raise ExerciseFailed("the saved file does not load back as the object saved")
+        if "rename True" not in calls:
+            raise ExerciseFailed(
+                "no rename into place was seen: write to a temporary file in the same directory "
+                "(os.replace is atomic only within one file system), then os.replace it over path"
+            )
+        if "fsync" not in calls or calls.index("fsync") > calls.index("rename True"):
+            raise ExerciseFailed(
+                "flush and os.fsync the temporary file before renaming it: otherwise a power cut "
+                "can leave the new name pointing at data still in the page cache"
+            )
+        crashing = {"step": 2, "weights": torch.arange(100_000.0), "extra": _CrashMidway()}
+        try:
+            fn(crashing, path)
+        except Exception:
+            pass  # the simulated crash; what matters is what is left on disk
+        try:
+            after = torch.load(path, weights_only=True)
+        except Exception as error:
+            raise ExerciseFailed(
+                f"a save that crashed midway destroyed the previous checkpoint: loading it now "
+                f"raises {type(error).__name__}. Never write into the final path directly"
+            ) from None
+        if after["step"] != 1:
+            raise ExerciseFailed("after a crashed save, the file should still be the first save")
+    return "fsync then rename; a crash mid-save left the previous checkpoint loadable"

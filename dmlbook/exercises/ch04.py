@@ -1,0 +1,105 @@
+"""Checkers for chapter 4's exercises ("Bottlenecks and solutions").
+
+1. ``check_int8_quantize``: write ``quantize(t) -> (q, scale)``, symmetric int8 quantization
+   with one scale per tensor: ``q = round(t / scale)`` in [-127, 127] with ``scale = max|t| / 127``,
+   so that ``q * scale`` is within ``scale / 2`` of every element
+   (:mod:`dmlbook.quantization` does it per output channel).
+2. ``check_topk_error_feedback``: write ``compress(grad, residual, k) -> (values, indices,
+   new_residual)``, top-k sparsification with error feedback: add the residual left from last
+   step, send the k entries of largest *magnitude*, and keep everything not sent as the new
+   residual, so that nothing is ever lost, only delayed (:mod:`dmlbook.compression`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dmlbook.exercises import ExerciseFailed, checker, learner_code
+
+__all__ = ["check_int8_quantize", "check_topk_error_feedback"]
+
+
+def _cases() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [
+        ("a gradient-like tensor", 1e-3 * torch.randn(200, generator=g)),
+        ("a tensor whose largest magnitude is negative", torch.tensor([-5.0, 1.0, 2.5, -0.1])),
+        ("a 2-d weight matrix", torch.randn(8, 16, generator=g)),
+        ("an all-zero tensor", torch.zeros(6)),
+    ]
+
+
+@checker("int8_quantize")
+def check_int8_quantize(fn: Callable[[torch.Tensor], tuple[torch.Tensor, float]]) -> str:
+    """Check ``fn(t) -> (q, scale)``: int8 ``q`` of t's shape, ``scale = max|t| / 127``, and
+    ``q * scale`` within ``scale / 2`` of t everywhere."""
+    for name, t in _cases():
+        with learner_code(f"your quantize on {name}"):
+            q, scale = fn(t.clone())
+        scale = float(scale)
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.shape != t.shape:
+            got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q)
+            raise ExerciseFailed(
+                f"on {name}: q must be an int8 tensor of shape {tuple(t.shape)}, got {got}"
+            )
+        absmax = t.abs().max().item()
+        if absmax > 0 and abs(scale - absmax / 127) > 1e-6 * absmax:
+            hint = ""
+            if abs(scale - t.max().item() / 127) < 1e-9 * absmax:
+                hint = ": that is max(t) / 127; use the largest MAGNITUDE, max(|t|)"
+            raise ExerciseFailed(
+                f"on {name}: scale should be max|t| / 127 = {absmax / 127:.6g}, got {scale:.6g}"
+                + hint
+            )
+        if q.abs().max().item() > 127:
+            raise ExerciseFailed(f"on {name}: q must stay in [-127, 127]")
+        error = (q.float() * scale - t).abs().max().item()
+        if absmax > 0 and error > scale / 2 * (1 + 1e-5):
+            raise ExerciseFailed(
+                f"on {name}: q * scale is {error:.3g} away from t somewhere, more than scale / 2 "
+                f"= {scale / 2:.3g}. Round to the nearest integer (torch.round), do not truncate"
+            )
+        if absmax == 0 and q.any():
+            raise ExerciseFailed(f"on {name}: a zero tensor must quantize to zeros")
+    return "int8 within scale / 2 everywhere, with scale = max|t| / 127, on all 4 tensors"
+
+
+@checker("topk_error_feedback")
+def check_topk_error_feedback(fn: Callable) -> str:
+    """Check ``fn(grad, residual, k) -> (values, indices, new_residual)`` over 20 steps: the k
+    largest-magnitude entries of grad + residual are sent, and sent + new residual always equals
+    grad + old residual: what is not sent now is sent later, never dropped."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 50, 5
+    residual = torch.zeros(n)
+    for step in range(20):
+        grad = torch.randn(n, generator=g)
+        corrected = grad + residual
+        with learner_code(f"your compress at step {step}"):
+            values, indices, new_residual = fn(grad.clone(), residual.clone(), k)
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        if len(values) != k or len(indices) != k or len(set(indices.tolist())) != k:
+            raise ExerciseFailed(f"step {step}: send exactly k = {k} distinct entries")
+        sent = torch.zeros(n).index_put_((indices,), torch.as_tensor(values, dtype=torch.float))
+        want = corrected.abs().topk(k).values.min().item()
+        if corrected[indices].abs().min().item() < want - 1e-6:
+            hint = ""
+            if step > 0 and torch.equal(
+                indices.sort().values, grad.abs().topk(k).indices.sort().values
+            ):
+                hint = ": you picked from grad alone. Add the residual first (error feedback)"
+            elif torch.equal(indices.sort().values, corrected.topk(k).indices.sort().values):
+                hint = ": you picked the largest VALUES; pick the largest magnitudes, |x|"
+            raise ExerciseFailed(
+                f"step {step}: the entries sent are not the {k} of largest "
+                f"magnitude of grad + residual{hint}"
+            )
+        if not torch.allclose(sent + new_residual, corrected, atol=1e-6):
+            raise ExerciseFailed(
+                f"step {step}: sent + new_residual must equal grad + residual (nothing lost, only "
+                "delayed); keep every entry not sent in the new residual, and zero the sent ones"
+            )
+        residual = new_residual
+    return f"top-{k} of {n} with error feedback: 20 steps, nothing lost"

@@ -1,0 +1,100 @@
+"""Chapter 3's exercise checkers: right answers pass; planted bugs (a rank's own shard only, the
+mean of per-rank accuracies, a save straight into the final path, no fsync) are caught."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmlbook.exercises import ExerciseFailed, ch03
+
+
+def unanswered(*args):
+    raise NotImplementedError
+
+
+def sharded_accuracy(model, x, y):
+    with torch.no_grad():
+        counts = torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.int64)
+    dist.all_reduce(counts)
+    return counts[0].item() / counts[1].item()
+
+
+def local_accuracy_only(model, x, y):
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def mean_of_accuracies(model, x, y):
+    t = torch.tensor([local_accuracy_only(model, x, y)])
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def test_sharded_accuracy_passes_the_right_answer():
+    assert ch03.check_sharded_accuracy(sharded_accuracy).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (local_accuracy_only, "this rank's own shard only"),
+        (mean_of_accuracies, "mean of the ranks' accuracies"),
+    ],
+)
+def test_sharded_accuracy_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch03.check_sharded_accuracy(answer)
+
+
+def atomic_save(obj, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_in_place(obj, path):
+    torch.save(obj, path)
+
+
+def save_without_fsync(obj, path):
+    torch.save(obj, f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
+
+
+def test_atomic_save_passes_the_right_answer():
+    assert ch03.check_atomic_save(atomic_save).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (save_in_place, "no rename into place"),
+        (save_without_fsync, "os.fsync the temporary file before renaming"),
+    ],
+)
+def test_atomic_save_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch03.check_atomic_save(answer)
+
+
+def test_a_save_in_place_is_caught_by_the_crash_even_with_a_rename_elsewhere():
+    """Renames something, fsyncs, but still writes the real data straight into path."""
+
+    def sneaky(obj, path):
+        torch.save(obj, path)
+        with open(f"{path}.x", "wb") as f:
+            os.fsync(f.fileno())
+        os.replace(f"{path}.x", f"{path}.y")
+
+    with pytest.raises(ExerciseFailed, match="destroyed the previous checkpoint"):
+        ch03.check_atomic_save(sneaky)
+
+
+def test_unanswered_exercises_are_not_attempted():
+    assert ch03.check_sharded_accuracy(unanswered).status == "not attempted"
+    assert ch03.check_atomic_save(unanswered).status == "not attempted"
