@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 __all__ = [
@@ -365,6 +366,72 @@ def tcp_throughput(
     finally:
         server.kill()
         server.wait()
+
+
+SIZED_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while b := c.recv(1 << 20):
+    n += len(b)
+c.close(); print(n)
+"""
+SIZED_CLIENT = """
+import socket, sys, time
+addr, port, nbytes, start_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+c = socket.create_connection((addr, port)); block = bytes(1 << 16)
+time.sleep(max(0.0, start_at - time.time()))
+sent = 0
+while sent < nbytes:
+    sent += c.send(block[: min(len(block), nbytes - sent)])
+c.shutdown(socket.SHUT_WR)
+c.recv(1)  # returns when the receiver has read everything and closed: the transfer is over
+print(time.time() - start_at)
+"""
+
+
+def split_transfer(lab: Lab, src: str | int, dst: str | int, sizes: list[int]) -> list[float]:
+    """Send ``sizes[link]`` bytes from ``src`` to ``dst`` over each link *at the same moment*
+    (chapter 4's hybrid data transfer: one message split over two links); returns the seconds
+    each part took, from the common start until its last byte was received."""
+    if len(sizes) > (2 if lab.second_bandwidth else 1):
+        raise ValueError(
+            f"{len(sizes)} parts but the lab has {1 + bool(lab.second_bandwidth)} link(s)"
+        )
+    servers, clients = [], []
+    try:
+        for link, _ in enumerate(sizes):
+            addr = lab.address(dst, link)
+            server = lab.popen(
+                dst,
+                [sys.executable, "-c", SIZED_SERVER, addr, str(5301 + link)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            servers.append(server)
+            server.stdout.readline()  # "ready"
+        start_at = time.time() + 0.5  # every client connects first, then all start together
+        for link, nbytes in enumerate(sizes):
+            cmd = [
+                sys.executable,
+                "-c",
+                SIZED_CLIENT,
+                lab.address(dst, link),
+                str(5301 + link),
+                str(nbytes),
+                str(start_at),
+            ]
+            clients.append(lab.popen(src, cmd, stdout=subprocess.PIPE, text=True))
+        seconds = [float(c.communicate(timeout=120)[0]) for c in clients]
+        received = [int(s.communicate(timeout=30)[0]) for s in servers]
+        if received != list(sizes):
+            raise NetlabError(f"sent {list(sizes)} bytes but {received} arrived")
+        return seconds
+    finally:
+        for proc in servers + clients:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

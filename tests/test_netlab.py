@@ -145,6 +145,23 @@ def test_second_link_is_separate_and_separately_shaped():
 
 @pytest.mark.netns
 @needs_lab
+def test_split_transfer_sends_each_part_over_its_own_link():
+    sizes = [3_000_000, 1_000_000]
+    with netlab.Lab(2, bandwidth="300mbit", second_bandwidth="100mbit", prefix=PREFIX) as lab:
+        before = {dev: lab.bytes_through("h1", dev)["rx"] for dev in lab.links}
+        seconds = netlab.split_transfer(lab, "h0", "h1", sizes)
+        after = {dev: lab.bytes_through("h1", dev)["rx"] for dev in lab.links}
+        with pytest.raises(ValueError, match="3 parts but the lab has 2 link"):
+            netlab.split_transfer(lab, "h0", "h1", [1, 1, 1])
+    for dev, nbytes in zip(lab.links, sizes, strict=True):
+        # every byte arrived over its own link (TCP/IP headers add a few percent)
+        assert nbytes <= after[dev] - before[dev] < 1.1 * nbytes
+    # no part can beat its link's shaping: a lower bound on time that noise cannot break
+    assert seconds[0] > 0.9 * sizes[0] * 8 / 3e8 and seconds[1] > 0.9 * sizes[1] * 8 / 1e8
+
+
+@pytest.mark.netns
+@needs_lab
 def test_torchrun_across_two_hosts_equals_single_process(tmp_path):
     out = tmp_path / "result.pt"
     with netlab.Lab(2, bandwidth="1gbit", prefix=PREFIX) as lab:
