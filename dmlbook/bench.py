@@ -133,7 +133,7 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def _time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
+def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
     """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
     repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's."""
     dev = device()
@@ -176,7 +176,7 @@ def bench_allreduce(
     ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
     The shape check (one extra round) is off unless ``check``; torch's all_reduce has none.
     """
-    measured = run(_time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
+    measured = run(time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
         0
     ]
     records = []

@@ -261,6 +261,45 @@ class Lab:
             *script_and_args,
         ]
 
+    def run_job(
+        self, nproc_per_node: int, *script_and_args: str, timeout: float = 180.0, **kwargs
+    ) -> list[str]:
+        """Run one torchrun job with a node on every host; return each host's output.
+
+        Raises :class:`NetlabError` with the output of the hosts that failed. ``kwargs`` go to
+        :class:`subprocess.Popen` (``cwd``, ``env``); ranks get one thread each by default.
+        """
+        kwargs.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
+        procs = [
+            self.popen(
+                host,
+                self.torchrun(host, nproc_per_node, *script_and_args),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                **kwargs,
+            )
+            for host in self.names
+        ]
+        try:
+            logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        except subprocess.TimeoutExpired as e:
+            raise NetlabError(f"the torchrun job ran past {timeout} s") from e
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        failed = [
+            (h, p.returncode, log)
+            for h, p, log in zip(self.names, procs, logs, strict=True)
+            if p.returncode != 0
+        ]
+        if failed:
+            raise NetlabError(
+                "\n".join(f"{h} exited with {rc}:\n{log[-3000:]}" for h, rc, log in failed)
+            )
+        return logs
+
     def popen(self, host: str | int, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start ``cmd`` inside ``host``; ``kwargs`` go to :class:`subprocess.Popen`."""
         return subprocess.Popen(self.command(host, cmd), **kwargs)

@@ -1,0 +1,42 @@
+"""Time every dmlbook all-reduce algorithm and torch's on the ranks of a job (chapter 4).
+
+    python examples/time_allreduce.py --world-size 2 --out times.json
+    # one node per host of a network lab (see dmlbook.netlab), or per real machine:
+    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
+        --rdzv-id job1 examples/time_allreduce.py --sizes 1MiB,4MiB --out times.json
+
+Rank 0 writes one record per algorithm and size: algorithm, world_size, bytes, median_s (the
+slowest rank's time, median over the repeats, as ``python -m dmlbook.bench allreduce``).
+"""
+
+import argparse
+import json
+import os
+
+from dmlbook import collectives
+from dmlbook.bench import parse_size, time_all_reduces
+from dmlbook.launch import run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=None, help="local ranks (not torchrun)")
+    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", required=True, help="where rank 0 writes the JSON records")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    per_size = run(time_all_reduces, args.world_size, sizes, args.repeats, 1, False)[0]
+    world = int(os.environ.get("WORLD_SIZE", args.world_size or 1))
+    if os.environ.get("RANK", "0") == "0":
+        records = [
+            dict(algorithm=name, world_size=world, bytes=nbytes, median_s=times[name])
+            for nbytes, times in zip(sizes, per_size, strict=True)
+            for name in (*collectives.ALGORITHMS, "torch")
+        ]
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
