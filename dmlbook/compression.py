@@ -1,0 +1,403 @@
+"""Gradient compression on the wire: fp16 / bf16, int8, 1-bit and top-k, as DDP communication hooks.
+
+Chapter 4 ("Bottlenecks and solutions") uses this module to trade bits on the wire for accuracy.
+Each hook has torch's contract ``hook(state, bucket) -> Future[Tensor]``, so it plugs into
+``DistributedDataParallel.register_comm_hook(state, hook)`` (and into our own DDP, which offers
+the same contract). It reads only ``bucket.buffer()`` (the flat gradients of one bucket) and
+``bucket.index()``, and its future holds the bucket's gradient *averaged* over the ranks, as
+torch's default hook does.
+
+* ``allreduce_hook``: fp32 all-reduce, the baseline (what DDP does without a hook).
+* ``fp16_hook`` / ``bf16_hook``: cast, divide by W, all-reduce, cast back; half the bytes.
+  Bit for bit torch's ``fp16_compress_hook`` / ``bf16_compress_hook``.
+* ``int8_hook``: quantise each rank's bucket with its own scale, all-gather, dequantise and sum
+  locally. Summing int8 on the wire would overflow, so the sum happens in fp32 after the gather.
+* ``sign_hook``: 1-bit with error feedback (EF-SignSGD, Karimireddy et al. 2019; 1-bit SGD, Seide
+  et al. 2014): send ``sign(g + e) * mean|g + e|``, 8 signs a byte, and keep the rest as ``e``.
+* ``topk_hook``: send the k largest-magnitude entries of ``g + e`` and their indices (Aji and
+  Heafield 2017; Lin et al. 2018, "Deep Gradient Compression"); the rest stays in ``e``.
+
+Compressed values cannot be summed on the wire, so the last three *gather* every rank's payload,
+which costs ``(W - 1) * payload`` bytes per rank where a ring all-reduce costs
+``2 (W - 1) / W * payload``: at W ranks int8 costs ``W / 8`` of fp32 and 1-bit ``W / 64``, so
+int8 stops paying off at 8 ranks. Production 1-bit schemes (1-bit Adam) compress a reduce-scatter
+and then an all-gather instead. ``state.bytes_sent`` counts what a hook sent by these formulas;
+:class:`WireMeter` *measures* what the kernel's TCP really sent, and :func:`compare_schemes`
+trains the digits MLP under every scheme and reports both, with the accuracy each one reaches.
+"""
+
+import math
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = [
+    "CompressionState",
+    "TopKState",
+    "SignState",
+    "allreduce_hook",
+    "fp16_hook",
+    "bf16_hook",
+    "int8_hook",
+    "sign_hook",
+    "topk_hook",
+    "pack_bits",
+    "unpack_bits",
+    "TcpCount",
+    "tcp_sent",
+    "WireMeter",
+    "SCHEMES",
+    "DigitsRun",
+    "compare_schemes",
+]
+
+# The return annotation that DDP's register_comm_hook checks (hence no postponed annotations).
+Future = torch.futures.Future[torch.Tensor]
+
+
+@dataclass
+class CompressionState:
+    """A hook's memory: error-feedback residuals by bucket index, and what it put on the wire."""
+
+    group: dist.ProcessGroup | None = None  # None: the default (world) group
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket index -> e
+    bytes_sent: int = 0  # payload bytes this rank sent, by the collectives' formulas
+    collectives: int = 0  # how many collectives the hook launched
+
+    def residual(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s residual: zeros the first time, and again if the bucket changed size
+        (DDP rebuilds its buckets once, after the first step)."""
+        e = self.residuals.get(index)
+        if e is None or e.shape != like.shape:
+            e = self.residuals[index] = torch.zeros_like(like)
+        return e
+
+
+@dataclass
+class TopKState(CompressionState):
+    """State of :func:`topk_hook`: also the fraction of each bucket's entries to send."""
+
+    fraction: float = 0.01
+
+
+@dataclass
+class SignState(CompressionState):
+    """State of :func:`sign_hook`: also how many entries share one scale (None: the bucket).
+
+    Smaller chunks follow the gradient's magnitude more closely (each layer, say) for
+    ``4 / chunk`` more bytes per entry: they help when momentum amplifies 1-bit's error.
+    """
+
+    chunk: int | None = None
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _all_reduce(state: CompressionState, tensor: torch.Tensor) -> Future:
+    """Sum ``tensor`` in place over the ranks; the future holds it."""
+    world = dist.get_world_size(state.group)
+    state.bytes_sent += 2 * (world - 1) * tensor.numel() * tensor.element_size() // world  # ring
+    state.collectives += 1
+    work = dist.all_reduce(tensor, group=state.group, async_op=True)  # communication
+    return work.get_future().then(lambda _: tensor)
+
+
+def _all_gather(state: CompressionState, payload: torch.Tensor) -> Future:
+    """Every rank's 1-D ``payload``; the future holds them as rows ``(W, len(payload))``."""
+    world = dist.get_world_size(state.group)
+    out = payload.new_empty(world * payload.numel())
+    state.bytes_sent += (world - 1) * payload.numel() * payload.element_size()  # ring
+    state.collectives += 1
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    work = gather(out, payload, group=state.group, async_op=True)  # communication
+    return work.get_future().then(lambda _: out.view(world, -1))
+
+
+def _with_scales(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Append float32 scales to a 1-D byte payload, so that one collective sends both."""
+    return torch.cat([data, scales.reshape(-1).float().view(data.dtype)])
+
+
+def _split_scales(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_with_scales` on gathered rows: ``(W, n)`` data, ``(W, m)`` scales."""
+    scales = rows[:, n:].flatten().clone().view(torch.float32)  # clone: 4-byte aligned for .view
+    return rows[:, :n], scales.view(len(rows), -1)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def allreduce_hook(state: CompressionState, bucket: dist.GradBucket) -> Future:
+    """fp32 all-reduce then divide: the uncompressed baseline, as torch's default hook."""
+    buffer = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    return _all_reduce(state, buffer).then(lambda fut: fut.value().div_(world))
+
+
+def _cast_hook(dtype: torch.dtype, state: CompressionState, bucket: dist.GradBucket) -> Future:
+    buffer = bucket.buffer()
+    # Divide *before* the sum (as torch's hook does): W fp16 values cannot overflow their sum.
+    wire = buffer.to(dtype).div_(dist.get_world_size(state.group))  # (n,) in fp16 or bf16
+    return _all_reduce(state, wire).then(lambda fut: buffer.copy_(fut.value()))  # cast back
+
+
+def fp16_hook(state: CompressionState, bucket: dist.GradBucket) -> Future:
+    """Average in float16: 2 bytes a value, 10-bit mantissa, overflows past 65504."""
+    return _cast_hook(torch.float16, state, bucket)
+
+
+def bf16_hook(state: CompressionState, bucket: dist.GradBucket) -> Future:
+    """Average in bfloat16: 2 bytes a value, fp32's range, but only a 7-bit mantissa."""
+    return _cast_hook(torch.bfloat16, state, bucket)
+
+
+def int8_hook(state: CompressionState, bucket: dist.GradBucket) -> Future:
+    """Quantise to int8 with a per-rank scale, all-gather, dequantise and average in fp32.
+
+    Each rank's error is at most half its step ``absmax / 127``. Bytes: ``n + 4`` per rank.
+    """
+    buffer = bucket.buffer()
+    n = buffer.numel()
+    scale = buffer.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / 127  # one step
+    q = torch.round(buffer / scale).clamp_(-127, 127).to(torch.int8)  # (n,) in [-127, 127]
+
+    def dequantise_and_average(fut: Future) -> torch.Tensor:
+        values, scales = _split_scales(fut.value(), n)  # (W, n) int8, (W, 1) fp32
+        return buffer.copy_((values.float() * scales).mean(dim=0))  # the sum, in fp32
+
+    return _all_gather(state, _with_scales(q, scale)).then(dequantise_and_average)
+
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Booleans ``(n,)`` to bytes ``(ceil(n / 8),)``, the first bit in the highest place."""
+    padded = F.pad(bits.to(torch.uint8), (0, -bits.numel() % 8)).view(-1, 8)  # (n/8, 8)
+    return (padded * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)  # (n/8,)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: bytes ``(..., n/8)`` to the first ``n`` bits ``(..., n)``."""
+    bits = packed.unsqueeze(-1) & _BIT_WEIGHTS.to(packed.device)  # (..., n/8, 8)
+    return bits.ne(0).flatten(-2)[..., :n]
+
+
+def _decode_signs(rows: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """Gathered 1-bit payloads ``(W, n/8 + 4 n/chunk)`` to the values they stand for, ``(W, n)``."""
+    packed, scales = _split_scales(rows, -(-n // 8))  # (W, n/8) packed, (W, n/chunk) scales
+    signs = unpack_bits(packed, n).float() * 2 - 1  # (W, n) of +-1
+    signs = F.pad(signs, (0, -n % chunk)).view(len(rows), -1, chunk)  # (W, n/chunk, chunk)
+    return (signs * scales.unsqueeze(-1)).flatten(1)[:, :n]  # (W, n)
+
+
+def sign_hook(state: SignState, bucket: dist.GradBucket) -> Future:
+    """1-bit with error feedback: send ``sign(g + e) * mean|g + e|``; what it misses stays in e."""
+    buffer, index = bucket.buffer(), bucket.index()
+    n = buffer.numel()
+    chunk = state.chunk or n
+    residual = state.residual(index, buffer)
+    corrected = buffer + residual  # (n,) g + e: last steps' error is fed back
+    # One scale per chunk (zero-padded at the end): mean |.| of that chunk's entries.
+    scales = F.pad(corrected, (0, -n % chunk)).view(-1, chunk).abs().mean(dim=1)  # (n/chunk,)
+    payload = _with_scales(pack_bits(corrected >= 0), scales)  # n/8 + 4 n/chunk bytes
+    sent = _decode_signs(payload.unsqueeze(0), n, chunk)[0]  # what the others will decode
+    residual.copy_(corrected - sent)  # error feedback: keep what was not sent
+    return _all_gather(state, payload).then(
+        lambda fut: buffer.copy_(_decode_signs(fut.value(), n, chunk).mean(dim=0))
+    )
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> Future:
+    """Top-k with error feedback: send the k largest ``|g + e|`` and their places; keep the rest."""
+    buffer, index = bucket.buffer(), bucket.index()
+    n = buffer.numel()
+    k = max(1, math.ceil(state.fraction * n))
+    residual = state.residual(index, buffer)
+    corrected = buffer + residual  # (n,)
+    where = corrected.abs().topk(k, sorted=False).indices  # (k,)
+    values = corrected[where]  # (k,)
+    residual.copy_(corrected).index_fill_(0, where, 0.0)  # error feedback: keep what was not sent
+    payload = torch.cat([values.view(torch.int32), where.to(torch.int32)])  # 8k bytes
+
+    def scatter_and_average(fut: Future) -> torch.Tensor:
+        rows = fut.value()  # (W, 2k): values (as int32 bits), then indices
+        values, where = rows[:, :k].view(torch.float32), rows[:, k:].long()  # (W, k) each
+        dense = torch.zeros_like(buffer).index_add_(0, where.flatten(), values.flatten())  # sum
+        return buffer.copy_(dense.div_(len(rows)))
+
+    return _all_gather(state, payload).then(scatter_and_average)
+
+
+# --------------------------------------------------------------------------- measuring the wire
+
+# Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_segs_out`` (u32) and
+# ``tcpi_bytes_sent`` (u64, Linux 4.19+; payload bytes, retransmissions included).
+_SEGS_OUT, _BYTES_SENT, _TCP_INFO_LEN = 136, 200, 208
+
+
+@dataclass
+class TcpCount:
+    """What TCP sent: payload bytes (gloo's own framing included) and segments (ACKs included).
+
+    Each segment adds 52 bytes of IPv4 and TCP headers (with timestamps): on loopback the
+    interface counter ``/sys/class/net/lo/statistics/tx_bytes`` grows by ``bytes + 52 * segments``.
+    """
+
+    bytes: int = 0
+    segments: int = 0
+
+
+def tcp_sent() -> TcpCount:
+    """Sum the kernel's send counters over every TCP socket this process holds (Linux only).
+
+    Per-socket counters see only our own traffic, unlike the counters of the ``lo`` interface,
+    which also count every other program talking over loopback at the same time.
+    """
+    if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
+        raise OSError("tcp_sent() reads Linux's TCP_INFO; this system does not have it")
+    count = TcpCount()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it is harmless
+        except OSError:  # the descriptor closed meanwhile
+            continue
+        with sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+                count.bytes += struct.unpack_from("Q", info, _BYTES_SENT)[0]
+                count.segments += struct.unpack_from("I", info, _SEGS_OUT)[0]
+    return count
+
+
+class WireMeter:
+    """``with WireMeter() as wire: ...`` then ``wire.bytes``: what TCP sent while the block ran."""
+
+    def __enter__(self) -> "WireMeter":
+        self._start = tcp_sent()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = tcp_sent()
+        self.bytes = end.bytes - self._start.bytes
+        self.segments = end.segments - self._start.segments
+
+
+# --------------------------------------------------------------------------- chapter 4's table
+
+Scheme = tuple[Callable, Callable[[], CompressionState]]  # (hook, a factory for its state)
+
+SCHEMES: dict[str, Scheme] = {
+    "fp32": (allreduce_hook, CompressionState),
+    "fp16": (fp16_hook, CompressionState),
+    "bf16": (bf16_hook, CompressionState),
+    "int8": (int8_hook, CompressionState),
+    "1-bit+EF": (sign_hook, SignState),
+    "top-k+EF": (topk_hook, lambda: TopKState(fraction=0.02)),
+}
+
+
+@dataclass
+class DigitsRun:
+    """How :func:`compare_schemes` trains the digits MLP (plain SGD, as chapter 1)."""
+
+    epochs: int = 10
+    global_batch: int = 64  # summed over the ranks
+    lr: float = 0.3
+    momentum: float = 0.0  # 0.9 costs 1-bit+EF points: try SignState(chunk=64) then
+    hidden: tuple[int, ...] = (128,)  # 64 -> 128 -> 10: 9,610 gradients, one DDP bucket
+    seed: int = 0  # initial weights and the data order
+
+
+def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
+    """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dmlbook.datasets import load_digits, shard_indices
+    from dmlbook.models import mlp
+
+    x, y = load_digits("train")
+    x_test, y_test = load_digits("test")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_batch, steps = config.global_batch // world, len(x) // config.global_batch
+    results = {}
+    for name, (hook, make_state) in schemes.items():
+        state = make_state()
+        model = mlp(seed=config.seed, in_features=64, hidden=config.hidden, out_features=10)
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
+        losses = []
+        dist.barrier()  # DDP's construction traffic stays outside the measurement
+        with WireMeter() as wire:
+            for epoch in range(config.epochs):
+                shard = shard_indices(len(x), rank, world, seed=config.seed, epoch=epoch)
+                for t in range(steps):
+                    idx = shard[t * local_batch : (t + 1) * local_batch]
+                    loss = F.cross_entropy(ddp(x[idx]), y[idx])  # compute
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()  # communication: the hook runs once per bucket
+                    opt.step()
+                    losses.append(loss.item())
+            dist.barrier()  # every rank has received all we sent, so the kernel sent it all
+        with torch.no_grad():
+            correct = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
+        results[name] = dict(
+            accuracy=correct,
+            loss=losses,
+            wire_bytes=wire.bytes,
+            segments=wire.segments,
+            hook_bytes=state.bytes_sent,
+            collectives=state.collectives,
+            params=torch.cat([p.detach().flatten() for p in model.parameters()]),
+        )
+        del ddp, opt  # free DDP before the process group goes away (pytorch#56297)
+    return results
+
+
+def compare_schemes(
+    world_size: int = 2,
+    schemes: list[str] | dict[str, Scheme] | None = None,
+    config: DigitsRun | None = None,
+    timeout: float = 120.0,
+) -> dict[str, dict]:
+    """Train the digits MLP under each scheme (names from SCHEMES, or your own) in one launch.
+
+    Returns, per scheme: ``accuracy`` (test set), ``loss`` (per step, mean over ranks),
+    ``wire_bytes`` and ``segments`` (measured TCP payload and segments, summed over ranks),
+    ``hook_bytes`` and ``collectives`` (the hooks' own count, summed), ``wire_vs_fp32`` (when fp32
+    ran) and ``ranks_agree`` (every rank ended with bit-identical parameters).
+    """
+    from dmlbook.launch import run
+
+    if not isinstance(schemes, dict):
+        names = list(SCHEMES) if schemes is None else list(schemes)
+        if unknown := [n for n in names if n not in SCHEMES]:
+            raise ValueError(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
+        schemes = {n: SCHEMES[n] for n in names}
+    # gloo, even with GPUs: the meter counts TCP, which NCCL over NVLink or shared memory avoids
+    config = config or DigitsRun()
+    per_rank = run(_train_schemes, world_size, schemes, config, backend="gloo", timeout=timeout)
+    table = {}
+    for name in schemes:
+        runs = [r[name] for r in per_rank]
+        table[name] = dict(
+            accuracy=runs[0]["accuracy"],
+            loss=torch.tensor([r["loss"] for r in runs]).mean(dim=0).tolist(),
+            **{k: sum(r[k] for r in runs) for k in ("wire_bytes", "segments", "hook_bytes")},
+            collectives=runs[0]["collectives"],
+            ranks_agree=all(torch.equal(r["params"], runs[0]["params"]) for r in runs),
+        )
+    if "fp32" in table:
+        for row in table.values():
+            row["wire_vs_fp32"] = row["wire_bytes"] / table["fp32"]["wire_bytes"]
+    return table
