@@ -5,12 +5,19 @@ One module per technique, each naming the chapter that teaches it:
 * ``launch``: run a rank function on N processes, or in place under torchrun (every chapter)
 * ``datasets``, ``models``: shipped and generated data, loaders, and the shared small models
 * ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
-* ``data_parallel``: gradient and model averaging, the data-parallel loop, LR scaling (chapter 1)
+* ``data_parallel``: gradient and model averaging, the data-parallel loop, LR scaling (chapter 1);
+  a bucketed DDP written from scratch beside a naive one, sharded evaluation (chapter 3)
 * ``collectives``: every collective from send/recv; ring, tree, recursive-doubling and naive
   all-reduce, with a message trace (chapters 2 and 4)
 * ``costmodel``: the alpha-beta model of each algorithm and of a parameter server, fitted to
   measurements (chapters 2 and 4)
 * ``ps``: a sharded parameter server: synchronous, bounded staleness, asynchronous (chapter 2)
+* ``checkpoint``: atomic, resumable checkpoints (every rank's RNG), and DCP sharded ones
+  (chapter 3)
+* ``serving``, ``tuning``: data-parallel inference, parallel hyper-parameter search (chapter 3)
+* ``compression``: gradient compression as DDP communication hooks (chapter 4)
+* ``recompute``: activation checkpointing by hand and with torch, measured (chapter 4)
+* ``quantization``: fp16 and int8 weights, with their error (chapters 4 and 8)
 * ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs
