@@ -15,19 +15,37 @@ Chapter 1 ("Splitting input data") teaches it with these pieces:
 * :func:`linear_scaling` and :func:`warmup` are the learning-rate rules for a larger global batch
   (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 
-Chapter 3 puts a bucketed, overlapped ``DistributedDataParallel`` beside the naive version here.
+Chapter 3 ("A data-parallel training and serving pipeline") adds a readable DDP:
+
+* :class:`BucketedDDP` (alias ``DistributedDataParallel``) is torch's DDP written from scratch:
+  gradients are grouped into buckets, each bucket's all-reduce starts *during* backward as soon
+  as its last gradient is ready, and a callback queued in the autograd engine waits for them all
+  at the end of backward. It has torch's ``no_sync``, ``find_unused_parameters`` and
+  ``register_comm_hook``, and its tests check it against torch's DDP.
+* :class:`NaiveDDP` is chapter 1's :func:`average_gradients` behind the same interface: one
+  blocking all-reduce per parameter after backward, so a notebook (and ``python -m dmlbook.bench
+  ddp``) can set the two side by side.
+* :func:`train` also takes either wrapper (or torch's DDP), shows a progress bar on rank 0, and
+  scores the test set with :func:`sharded_accuracy`: each rank scores its share, one all-reduce
+  adds up the counts.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from tqdm.auto import tqdm
 
 from dmlbook.datasets import shard_indices
 
@@ -40,8 +58,16 @@ __all__ = [
     "History",
     "train",
     "accuracy",
+    "sharded_accuracy",
     "linear_scaling",
     "warmup",
+    "CommStats",
+    "GradBucket",
+    "assign_buckets",
+    "allreduce_hook",
+    "BucketedDDP",
+    "DistributedDataParallel",
+    "NaiveDDP",
 ]
 
 
@@ -150,10 +176,42 @@ class History:
     accuracy: list[float] = field(default_factory=list)
 
 
+def _count_correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """(how many of ``x`` the model classifies as ``y``, how many there are)."""
+    with torch.no_grad():
+        return int((model(x).argmax(dim=-1) == y).sum()), len(y)
+
+
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of ``x`` that ``model`` classifies as ``y``."""
-    with torch.no_grad():
-        return (model(x).argmax(dim=-1) == y).float().mean().item()
+    correct, total = _count_correct(model, x, y)
+    return correct / total
+
+
+def sharded_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, group=None) -> float:
+    """:func:`accuracy` on all of ``(x, y)``, each rank scoring only every world-th sample.
+
+    Chapter 3's sharded evaluation. The shards may differ in length by one: unlike
+    ``DistributedSampler``, nothing is padded with repeated samples, so after one all-reduce of
+    (correct, total) the result is exactly the single-process accuracy. Ranks must hold the
+    same model.
+    """
+    rank, world = _world(group)
+    correct, total = _count_correct(model, x[rank::world], y[rank::world])  # compute: my shard
+    if world > 1:
+        counts = torch.tensor([correct, total], dtype=torch.int64, device=x.device)
+        dist.all_reduce(counts, group=group)  # communication: add up every rank's counts
+        correct, total = counts.tolist()
+    return correct / total
+
+
+class _AveragedInBackward:
+    """The sync scheme of a DDP wrapper: it averaged the gradients during backward already."""
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    after_step = finish = after_backward
 
 
 def train(
@@ -171,11 +229,19 @@ def train(
     eval_every: int = 0,
     loss_fn: Callable = F.cross_entropy,
     group=None,
+    progress: bool = False,
 ) -> History:
     """Data-parallel SGD on this rank's shard of ``(x, y)``; single-process SGD at world size 1.
 
     ``global_batch`` is summed over the ranks, so each rank takes ``global_batch // world``
-    samples a step. ``lr`` is a number or a function of the step (see :func:`warmup`).
+    samples a step. ``lr`` is a number or a function of the step: for a larger global batch,
+    ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``.
+
+    ``model`` may be a DDP wrapper (:class:`BucketedDDP`, :class:`NaiveDDP` or torch's
+    ``DistributedDataParallel``, chapter 3): it averages the gradients during backward, so the
+    loop adds no ``sync``. ``progress`` shows a progress bar on rank 0. Test accuracy is
+    :func:`sharded_accuracy`, except under ``ModelAveraging``, whose ranks hold different
+    models between averages: there each rank scores its own model on the whole test set.
     """
     rank, world = _world(group)
     if global_batch < 1 or global_batch % world:
@@ -184,12 +250,20 @@ def train(
         )
     if global_batch > len(x):
         raise ValueError(f"global_batch={global_batch} is larger than the {len(x)} samples")
-    sync = GradientAveraging() if sync is None else sync
+    wrapped = isinstance(model, _DataParallel | TorchDDP)
+    if wrapped and sync is not None:
+        raise ValueError(f"a {type(model).__name__} averages gradients in backward: pass no sync")
+    if wrapped:
+        sync = _AveragedInBackward()
+    else:
+        sync = GradientAveraging() if sync is None else sync
+        broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
+    score = accuracy if isinstance(sync, ModelAveraging) else partial(sharded_accuracy, group=group)
     lr_at = lr if callable(lr) else (lambda step: lr)
     local_batch = global_batch // world
     steps_per_epoch = len(x) // global_batch  # incomplete global batches are dropped
     opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
-    broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
+    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress or rank != 0, desc="train")
     history, step, start = History(), 0, time.perf_counter()
     for epoch in range(epochs):
         shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
@@ -200,16 +274,19 @@ def train(
                 g["lr"] = history.lr[-1]
             loss = loss_fn(model(x[idx]), y[idx])  # compute
             opt.zero_grad(set_to_none=True)
-            loss.backward()  # compute
+            loss.backward()  # compute (and, in a DDP wrapper, communication)
             sync.after_backward(model, step, group)  # communication (synchronous SGD)
             opt.step()
             sync.after_step(model, step, group)  # communication (model averaging)
             step += 1
             history.loss.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{history.loss[-1]:.3f}", refresh=False)
             if test is not None and eval_every and step % eval_every == 0:
                 history.eval_steps.append(step)
                 history.eval_seconds.append(time.perf_counter() - start)
-                history.accuracy.append(accuracy(model, *test))
+                history.accuracy.append(score(model, *test))
+    bar.close()
     sync.finish(model, step, group)
     return history
 
@@ -229,3 +306,373 @@ def warmup(peak_lr: float, warmup_steps: int) -> Callable[[int], float]:
     if warmup_steps < 1:
         raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
     return lambda step: peak_lr * min(1.0, (step + 1) / warmup_steps)
+
+
+# --------------------------------------------------------------------------- chapter 3: DDP
+
+
+@dataclass
+class CommStats:
+    """What a DDP wrapper communicated for the gradients, counted on this rank."""
+
+    syncs: int = 0  # backward passes that averaged gradients (those under no_sync do not)
+    collectives: int = 0  # gradient collectives launched: one per bucket, or one per parameter
+    bytes: int = 0  # gradient bytes handed to communication, before any compression by a hook
+
+
+class GradBucket:
+    """Several gradients flattened into one buffer: what a communication hook is given.
+
+    It has the methods of ``torch.distributed.GradBucket``, so a hook written for torch's DDP
+    (``fp16_compress_hook``, chapter 4's compression hooks) runs on :class:`BucketedDDP` as is.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], is_last: bool) -> None:
+        self._index, self._params, self._is_last = index, params, is_last
+        numel, first = sum(p.numel() for p in params), params[0]
+        self.set_buffer(torch.zeros(numel, dtype=first.dtype, device=first.device))
+
+    def index(self) -> int:
+        """The bucket's place in launch order: bucket 0 holds the last parameters."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradients, ``(sum of the parameters' numel,)``."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the bucket's flat buffer."""
+        self._buffer = tensor
+        self._views = _unflatten(tensor, self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view of the buffer per parameter, shaped like it."""
+        return self._views
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients the bucket holds, in buffer order."""
+        return self._params
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket of the step to be communicated."""
+        return self._is_last
+
+
+def _unflatten(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the flat ``(n,)`` tensor, one per parameter and shaped like it."""
+    pieces = flat.split([p.numel() for p in params])
+    return [piece.view_as(p) for piece, p in zip(pieces, params, strict=True)]
+
+
+def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets, last parameter first.
+
+    Backward produces gradients roughly in the reverse of the order in which the parameters
+    were defined, so bucket 0 fills first. As in torch, a bucket is closed as soon as it holds
+    ``bucket_cap_bytes`` or more (so its last parameter may take it over the cap), and it holds
+    one dtype on one device.
+    """
+    buckets: list[list[int]] = []
+    size, kind = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if not buckets or size >= bucket_cap_bytes or (p.dtype, p.device) != kind:
+            buckets.append([])  # start a new bucket
+            size, kind = 0, (p.dtype, p.device)
+        buckets[-1].append(i)
+        size += p.numel() * p.element_size()
+    return buckets
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
+    """Start summing ``tensor`` over the ranks in place; returns at once, the future holds it."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)  # communication, in the background
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def allreduce_hook(group, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """What :class:`BucketedDDP` does without a hook, as a hook: the bucket's average.
+
+    It divides by the world size *before* the sum, as torch's does (so that a sum of fp16
+    values cannot overflow). Without a hook the division happens while flattening instead,
+    which saves one pass over the bucket.
+    """
+    return _all_reduce_sum(bucket.buffer().div_(dist.get_world_size(group)), group)
+
+
+class _DataParallel(nn.Module):
+    """What both DDP wrappers share: the initial broadcast, ``no_sync``, and the gradient hooks.
+
+    A hook on every parameter runs as soon as backward has accumulated the parameter's gradient
+    into ``.grad``. The first hook of a backward pass queues a callback in the autograd engine,
+    which runs :meth:`finish_gradient_synchronization` once backward is over, before
+    ``backward()`` returns, so ``optimizer.step()`` always sees averaged gradients. As with
+    torch's DDP: one backward per forward, and activation checkpointing of the non-reentrant
+    kind (a reentrant one runs a backward inside the backward, which would end it early).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group=None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{type(self).__name__} needs a process group: build it in a rank function "
+                "(dmlbook.launch.run) or after dist.init_process_group()"
+            )
+        self.module = module
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+        self._src = 0 if group is None else dist.get_global_rank(group, 0)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self._module_buffers = list(module.buffers())
+        broadcast_parameters(module, src=self._src, group=group)  # communication: all start equal
+        self._require_sync = True  # False inside no_sync()
+        self._sync_backward = True  # the last forward's choice, as in torch
+        self._used: set[int] = set()  # parameters that accumulated a gradient since the last sync
+        self._ready: set[int] = set()  # parameters whose gradient is ready in this backward
+        self._callback_queued = False  # True from the first gradient to the end of backward
+        me = weakref.ref(self)  # the hooks must not keep a deleted wrapper alive
+
+        def hook_for(index: int) -> Callable[[torch.Tensor], None]:
+            def hook(param: torch.Tensor) -> None:  # autograd: param.grad is complete
+                if (wrapper := me()) is not None:
+                    wrapper._gradient_accumulated(index)
+
+            return hook
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(self._params)
+        ]
+
+    def __del__(self) -> None:
+        for handle in self.__dict__.get("_hooks", []):
+            handle.remove()
+
+    def forward(self, *args, **kwargs):
+        if self._callback_queued:  # the last backward raised before its end: start afresh
+            self._callback_queued = False
+            self._start_step()
+        if torch.is_grad_enabled():
+            # As in torch, the forward decides whether the backward through its graph syncs.
+            self._sync_backward = self._require_sync
+            if self._require_sync and self.broadcast_buffers:
+                for buffer in self._module_buffers:  # e.g. BatchNorm's running statistics
+                    dist.broadcast(buffer, src=self._src, group=self.group)  # communication
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: a backward whose forward ran in here communicates nothing.
+
+        Gradients add up in ``.grad``; the first backward after the block (forward included)
+        averages the accumulated ``.grad`` over the ranks. Divide each micro-batch's loss by
+        their number to get the gradient of the mean over all of them.
+        """
+        before, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = before
+
+    def _gradient_accumulated(self, index: int) -> None:
+        self._used.add(index)
+        if not self._sync_backward:
+            return  # no_sync: the gradient simply stays in .grad
+        if not self._callback_queued:  # the first gradient of this backward pass
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready.add(index)
+        self._gradient_ready(index)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        try:
+            self.finish_gradient_synchronization()
+        finally:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        """Forget the last synchronisation: nothing used, nothing ready."""
+        self._used.clear()
+        self._ready.clear()
+
+    def _gradient_ready(self, index: int) -> None:
+        """Called in backward once parameter ``index``'s gradient is ready (and synced)."""
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average the gradients over the ranks; called by autograd at the end of backward."""
+        raise NotImplementedError
+
+    def _missing(self, indices: Sequence[int]) -> list[int]:
+        return [i for i in indices if i not in self._ready]
+
+    def _unused_error(self, missing: list[int]) -> RuntimeError:
+        names = ", ".join(self._names[i] for i in sorted(missing))
+        return RuntimeError(
+            f"{type(self).__name__}: no gradient reached {names} in this backward pass, so "
+            "the ranks cannot average it (the other ranks would wait for it forever). Pass "
+            "find_unused_parameters=True if parameters may sit out a step; otherwise make "
+            "every parameter take part in the loss."
+        )
+
+    def _globally_used(self) -> list[int]:
+        """How many ranks accumulated a gradient into each parameter since the last sync."""
+        used = torch.zeros(len(self._params), dtype=torch.int32, device=self._params[0].device)
+        used[sorted(self._used)] = 1
+        dist.all_reduce(used, group=self.group)  # communication: a small extra all-reduce
+        return used.tolist()
+
+
+class BucketedDDP(_DataParallel):
+    """``DistributedDataParallel`` from scratch: bucketed all-reduces overlapped with backward.
+
+    Chapter 3 uses it to show what torch's DDP does. The parameters are grouped into buckets
+    of about ``bucket_cap_mb`` (:func:`assign_buckets`); as soon as backward has produced the
+    last gradient of a bucket, the bucket is flattened and its all-reduce starts, while backward
+    goes on computing the earlier layers' gradients. Buckets start strictly in order, so every
+    rank issues the same collectives in the same order. At the end of backward,
+    :meth:`finish_gradient_synchronization` waits for all of them and copies the averages back
+    into ``.grad`` (Li et al. 2020, "PyTorch Distributed", VLDB).
+
+    A parameter that got no gradient leaves its bucket incomplete. Then backward raises a
+    ``RuntimeError`` naming it, unless ``find_unused_parameters=True``: at the end of backward
+    such a parameter contributes its ``.grad`` (zeros if it has none) to its bucket; if no rank
+    used it since the last sync its ``.grad`` is left as it was (None after ``zero_grad``),
+    else it gets the average. This is torch's behaviour, checked against it in the tests.
+
+    ``register_comm_hook(state, hook)`` replaces the default average (:func:`allreduce_hook`
+    does the same) with torch's contract; ``stats`` counts what was communicated. Unlike
+    torch, the buckets keep their first layout (torch re-buckets once, in the order the
+    gradients arrived in the first step).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        group=None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        super().__init__(module, group, broadcast_buffers, find_unused_parameters)
+        self.bucket_cap_mb = bucket_cap_mb
+        self._members = assign_buckets(self._params, int(bucket_cap_mb * 2**20))
+        self._bucket_of = {i: b for b, members in enumerate(self._members) for i in members}
+        last = len(self._members) - 1
+        self._buckets = [
+            GradBucket(b, [self._params[i] for i in members], is_last=b == last)
+            for b, members in enumerate(self._members)
+        ]
+        self._comm_state, self._comm_hook = None, None  # see register_comm_hook
+        self._futures: list[torch.futures.Future] = []  # one per launched bucket
+        self._start_step()
+
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        """Communicate each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's
+        contract): the future's value is the bucket's flat gradient averaged over the ranks."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can be called only once")
+        self._comm_state, self._comm_hook = state, hook
+
+    def _start_step(self) -> None:
+        super()._start_step()
+        for future in self._futures:  # all done, unless the last backward failed half-way
+            future.wait()
+        self._futures = []
+        self._waiting_for = [len(members) for members in self._members]  # gradients per bucket
+        self._next_bucket = 0  # the next bucket to launch
+
+    def _gradient_ready(self, index: int) -> None:
+        bucket = self._bucket_of[index]
+        self._waiting_for[bucket] -= 1
+        if self._waiting_for[bucket] == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Start communicating every complete bucket, in bucket order: the ranks must all
+        issue the same collectives in the same order, whatever order their gradients came in."""
+        while self._next_bucket < len(self._buckets) and not self._waiting_for[self._next_bucket]:
+            bucket = self._buckets[self._next_bucket]
+            grads = [
+                p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.parameters()
+            ]
+            self.stats.collectives += 1
+            self.stats.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+            if self._comm_hook is None:  # flatten and divide in one pass (as torch), then sum
+                for view, grad in zip(bucket.gradients(), grads, strict=True):
+                    torch.div(grad, self.world_size, out=view)
+                future = _all_reduce_sum(bucket.buffer(), self.group)  # communication
+            else:
+                torch._foreach_copy_(bucket.gradients(), grads)  # flatten into the (n,) buffer
+                future = self._comm_hook(self._comm_state, bucket)  # communication
+            self._futures.append(future)
+            self._next_bucket += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket and copy the averaged gradients back into ``.grad``.
+
+        The autograd engine calls it at the end of every backward pass that syncs.
+        """
+        not_launched = [i for m in self._members[self._next_bucket :] for i in m]
+        if missing := self._missing(not_launched):
+            if not self.find_unused_parameters:
+                raise self._unused_error(missing)  # (then _start_step waits for those launched)
+            self._waiting_for = [0] * len(self._buckets)  # count the unused ones as ready
+            self._launch_ready_buckets()
+        used = self._globally_used() if self.find_unused_parameters else None
+        buckets = zip(self._members, self._buckets, self._futures, strict=True)
+        for members, bucket, future in buckets:
+            params = bucket.parameters()
+            averaged = _unflatten(future.wait(), params)  # blocks until the bucket is done
+            if used is None:  # every parameter has its .grad: one call copies them all
+                torch._foreach_copy_([p.grad for p in params], averaged)
+                continue
+            for i, p, grad in zip(members, params, averaged, strict=True):
+                if not used[i]:
+                    continue  # no rank used it: leave .grad alone, as torch does
+                if p.grad is None:  # unused here, used on another rank
+                    p.grad = grad.clone()
+                else:
+                    p.grad.copy_(grad)
+        self.stats.syncs += 1
+
+
+DistributedDataParallel = BucketedDDP
+
+
+class NaiveDDP(_DataParallel):
+    """Chapter 1's :func:`average_gradients` behind :class:`BucketedDDP`'s interface.
+
+    After backward, one blocking all-reduce per parameter: nothing overlaps with backward, and
+    each small tensor pays a collective's latency. ``python -m dmlbook.bench ddp`` measures the
+    difference. ``no_sync`` and ``find_unused_parameters`` behave as in :class:`BucketedDDP`.
+    """
+
+    def finish_gradient_synchronization(self) -> None:
+        """All-reduce each gradient in turn and divide by the world size (after backward)."""
+        if not self.find_unused_parameters:
+            if missing := self._missing(range(len(self._params))):
+                raise self._unused_error(missing)
+            average_gradients(self.module, self.group)  # communication: per parameter
+            sent = self._params
+        else:
+            used = self._globally_used()
+            sent = [p for i, p in enumerate(self._params) if used[i]]  # skip the unused
+            for p in sent:
+                if p.grad is None:  # unused here, used on another rank
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.group)  # communication
+                p.grad /= self.world_size
+        self.stats.syncs += 1
+        self.stats.collectives += len(sent)
+        self.stats.bytes += sum(p.numel() * p.element_size() for p in sent)
