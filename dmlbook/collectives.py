@@ -59,7 +59,7 @@ __all__ = [
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "naive")
 # The ring cuts each chunk into slices of about this size, so that reducing one slice overlaps
 # receiving the next. Smaller slices overlap more but pay more per-message latency.
-RING_SLICE_BYTES = 256 * 1024
+RING_SLICE_BYTES = 1 << 20
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 
 
@@ -268,6 +268,20 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements, reused from call to call (as gloo and NCCL keep
+    theirs): a fresh multi-megabyte buffer costs a page fault per 4 KiB the first time it is
+    written, which at 2 GB/s links is a large share of the transfer itself."""
+    key = (like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
@@ -288,7 +302,7 @@ def _tree_reduce(comm: _Comm, buf: torch.Tensor, root: int, op, step0: int = 0) 
     below it and drops out; so ceil(log2 p) rounds, and the root ends with everything.
     """
     size, me = comm.size, (comm.rank - root) % comm.size
-    incoming = torch.empty_like(buf)
+    incoming = _scratch(buf.numel(), buf)
     mask, step = 1, step0
     while mask < size:
         if me & mask:
@@ -346,10 +360,8 @@ def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks) -> None:
     if size == 1:
         return
     slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
-    scratch = [
-        torch.empty(max(b - a for a, b in chunks), dtype=flat.dtype, device=flat.device)
-        for _ in range(2)
-    ]
+    longest = max(b - a for a, b in chunks)
+    scratch = _scratch(2 * longest, flat).split(longest)  # two: this step's and the next's
 
     def post_recvs(step: int):
         c = (rank - step - 2) % size
@@ -411,7 +423,7 @@ def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
     size, rank = comm.size, comm.rank
     pow2 = 1 << (size.bit_length() - 1)
     extra = size - pow2
-    incoming = torch.empty_like(flat)
+    incoming = _scratch(flat.numel(), flat)
     step = 0
     if rank < 2 * extra:
         if rank % 2 == 0:  # hand over, wait for the answer
@@ -447,7 +459,7 @@ def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
 def _naive_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
     """Everyone sends to rank 0, one after another through its link; it sends the result back."""
     if comm.rank == 0:
-        incoming = torch.empty_like(flat)
+        incoming = _scratch(flat.numel(), flat)
         for src in range(1, comm.size):
             comm.recv(incoming, src, 0)
             _combine(flat, incoming, op)
