@@ -209,7 +209,7 @@ def bench_ddp(
     print(
         f"DDP step (forward, backward, SGD step), world size {world_size}, median of {steps} "
         f"steps after {warmup} warm-up (slowest rank), bucket_cap_mb={bucket_cap_mb:g}, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start"
+        f"{_load_average()}"
     )
     print(f"{'model':>9s} {'implementation':>15s} {'median':>10s} {'vs torch':>8s}  collectives")
     records = []
@@ -240,10 +240,7 @@ def bench_ddp(
                 f"{collectives}"
             )
         print(f"{'':>9s} ({DDP_MODELS[name][0]})")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {json_path}")
+    _write_json(records, json_path)
     return records
 
 
@@ -335,11 +332,20 @@ def bench_allreduce(
                 f"{algorithm:>20s} {_human(nbytes):>10s} {1e3 * median_s:8.3f}ms "
                 f"{1e3 * baseline:8.3f}ms {median_s / baseline:5.2f}x {busbw:10.2f}"
             )
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {json_path}")
+    _write_json(records, json_path)
     return records
+
+
+def _write_json(records: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {path}")
+
+
+def _load_average() -> str:
+    """Timings on a shared box mean little without it."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start"
 
 
 def _human(nbytes: int) -> str:
@@ -378,20 +384,14 @@ def bench_recompute(repeats: int = 10, json_path: str | None = None) -> list[dic
     from dmlbook import recompute
 
     records = recompute.benchmark(repeats=repeats)
-    print(
-        f"recomputation at sqrt(n) segments, median of {repeats} steps, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start"
-    )
+    print(f"recomputation at sqrt(n) segments, median of {repeats} steps, {_load_average()}")
     for r in records:
         print(
             f"{r['model']:9s} {r['implementation']:6s} {r['segments']:2d} of {r['layers']:2d} "
             f"segments: {100 * r['activation_bytes_saved_fraction']:5.1f}% less activation "
             f"memory, {100 * r['time_overhead_fraction']:+6.1f}% step time"
         )
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {json_path}")
+    _write_json(records, json_path)
     return records
 
 

@@ -555,22 +555,32 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str) -> None:
             )
 
 
+def _rooted(name: str, tensor, tensors, root_rank: int, root_name: str, group, check: bool):
+    """Checks shared by gather and scatter: only the root passes a list of one tensor per rank.
+    Returns (comm, root's group rank), or (None, None) on a rank outside ``group``."""
+    _check_tensor(tensor)
+    comm = _Comm(group, name)
+    if not comm.member():
+        return None, None
+    root = comm.group_rank(root_rank, root_name)
+    list_name = f"{name}_list"
+    if comm.rank == root:
+        _check_list(tensors, comm.size, tensor, list_name)
+    elif tensors is not None:
+        raise ValueError(f"{list_name} must be None on ranks other than {root_name}")
+    if check:
+        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
+    return comm, root
+
+
 def gather(
     tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, check: bool = True
 ) -> None:
     """Every rank sends ``tensor`` to global rank ``dst``, which stores rank i's in
     ``gather_list[i]`` (group rank order). Other ranks pass ``gather_list=None``."""
-    _check_tensor(tensor)
-    comm = _Comm(group, "gather")
-    if not comm.member():
+    comm, root = _rooted("gather", tensor, gather_list, dst, "dst", group, check)
+    if comm is None:
         return
-    root = comm.group_rank(dst, "dst")
-    if comm.rank == root:
-        _check_list(gather_list, comm.size, tensor, "gather_list")
-    elif gather_list is not None:
-        raise ValueError("gather_list must be None on ranks other than dst")
-    if check:
-        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
     if comm.rank == root:
         recvs = []
         for r in range(comm.size):
@@ -595,17 +605,9 @@ def scatter(
 ) -> None:
     """Global rank ``src`` sends ``scatter_list[i]`` to group rank i, which stores it in
     ``tensor``. Other ranks pass ``scatter_list=None``."""
-    _check_tensor(tensor)
-    comm = _Comm(group, "scatter")
-    if not comm.member():
+    comm, root = _rooted("scatter", tensor, scatter_list, src, "src", group, check)
+    if comm is None:
         return
-    root = comm.group_rank(src, "src")
-    if comm.rank == root:
-        _check_list(scatter_list, comm.size, tensor, "scatter_list")
-    elif scatter_list is not None:
-        raise ValueError("scatter_list must be None on ranks other than src")
-    if check:
-        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
     if comm.rank == root:
         for r in range(comm.size):
             if r == root:

@@ -24,13 +24,7 @@ from dmlbook.recompute import (
 IMPLEMENTATIONS = {"ours": checkpoint_segment, "torch": torch_checkpoint_segment}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps a busy 2-core box steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _dropout_mlp(device: str = "cpu") -> nn.Module:
