@@ -255,18 +255,15 @@ class TcpCount:
     segments: int = 0
 
 
-def tcp_sent() -> TcpCount:
-    """Sum the kernel's send counters over every TCP socket this process holds (Linux only).
-
-    Per-socket counters see only our own traffic, unlike the counters of the ``lo`` interface,
-    which also count every other program talking over loopback at the same time.
-    """
+def _tcp_sockets() -> dict[str, TcpCount]:
+    """The kernel's send counters of every TCP socket this process holds, by socket inode."""
     if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
         raise OSError("tcp_sent() reads Linux's TCP_INFO; this system does not have it")
-    count = TcpCount()
+    counts: dict[str, TcpCount] = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:"):
                 continue
             sock = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it is harmless
         except OSError:  # the descriptor closed meanwhile
@@ -274,22 +271,38 @@ def tcp_sent() -> TcpCount:
         with sock:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-                count.bytes += struct.unpack_from("Q", info, _BYTES_SENT)[0]
-                count.segments += struct.unpack_from("I", info, _SEGS_OUT)[0]
-    return count
+                counts[link] = TcpCount(
+                    struct.unpack_from("Q", info, _BYTES_SENT)[0],
+                    struct.unpack_from("I", info, _SEGS_OUT)[0],
+                )
+    return counts
+
+
+def tcp_sent() -> TcpCount:
+    """Sum the kernel's send counters over every TCP socket this process holds (Linux only).
+
+    Per-socket counters see only our own traffic, unlike the counters of the ``lo`` interface,
+    which also count every other program talking over loopback at the same time.
+    """
+    sockets = _tcp_sockets().values()
+    return TcpCount(sum(c.bytes for c in sockets), sum(c.segments for c in sockets))
 
 
 class WireMeter:
-    """``with WireMeter() as wire: ...`` then ``wire.bytes``: what TCP sent while the block ran."""
+    """``with WireMeter() as wire: ...`` then ``wire.bytes``: what TCP sent while the block ran.
+
+    Counted per socket, as end minus start (a socket opened inside the block from zero), so a
+    socket that closes meanwhile cannot subtract its whole history from the total.
+    """
 
     def __enter__(self) -> "WireMeter":
-        self._start = tcp_sent()
+        self._start = _tcp_sockets()
         return self
 
     def __exit__(self, *exc) -> None:
-        end = tcp_sent()
-        self.bytes = end.bytes - self._start.bytes
-        self.segments = end.segments - self._start.segments
+        end, start = _tcp_sockets(), self._start
+        self.bytes = sum(c.bytes - start.get(k, TcpCount()).bytes for k, c in end.items())
+        self.segments = sum(c.segments - start.get(k, TcpCount()).segments for k, c in end.items())
 
 
 # --------------------------------------------------------------------------- chapter 4's table
