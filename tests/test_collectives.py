@@ -164,7 +164,7 @@ def _check_everything(world: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_collective_matches_torch_and_float64(world):
     results = run(_check_everything, world, world, timeout=200)
     assert [f for r in results for f in r["failures"]] == []
