@@ -12,11 +12,17 @@ are quantized; :mod:`dmlbook.compression` does the same to gradients on the wire
   ``quantize_model`` returns a copy of a model with every ``nn.Linear`` replaced by one.
 - ``quantization_errors``, ``model_bytes`` and ``compare_on_digits`` measure what it costs and
   saves: error per tensor against its bound, bytes, and accuracy on the digits task.
+- ``Int8Linear`` (chapter 8) also *computes* in int8: each input row is quantized when it
+  arrives (``quantize_rows``, a dynamic scale per row), ``int8_matmul`` multiplies int8 by int8
+  with exact int32 sums, and one float multiply by both scales gives the output back.
+  ``int8_model`` swaps it in for every ``nn.Linear``; torch's counterpart is
+  ``torch.ao.quantization.quantize_dynamic``.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,11 +121,8 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, stored as {self.weight_q.dtype}"
 
 
-def quantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``model`` with every ``nn.Linear`` a ``QuantizedLinear`` storing ``dtype``
-    weights; other layers (embeddings, norms) are copied unchanged. The original is untouched."""
-    if dtype not in (torch.float16, torch.int8):
-        raise ValueError(f"dtype must be torch.float16 or torch.int8, got {dtype}")
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` replaced by ``make(linear)``."""
     quantized = copy.deepcopy(model)
     linears = [(name, m) for name, m in quantized.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
@@ -127,8 +130,81 @@ def quantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for name, linear in linears:
         parent, _, child = name.rpartition(".")
         owner = quantized.get_submodule(parent) if parent else quantized
-        setattr(owner, child, QuantizedLinear(linear, dtype))
+        setattr(owner, child, make(linear))
     return quantized.eval()
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` a ``QuantizedLinear`` storing ``dtype``
+    weights; other layers (embeddings, norms) are copied unchanged. The original is untouched."""
+    if dtype not in (torch.float16, torch.int8):
+        raise ValueError(f"dtype must be torch.float16 or torch.int8, got {dtype}")
+    return _replace_linears(model, lambda linear: QuantizedLinear(linear, dtype))
+
+
+# ---- Computing in int8: integer matmul, dynamic activation scales (chapter 8) -------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)``: each row of ``x`` (N, K) as symmetric int8 with its own scale, chosen at
+    run time from the row's largest magnitude ("dynamic" quantization): ``scales`` is (N, 1)."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"expected a floating-point (N, K) matrix, got {x.dtype} {tuple(x.shape)}")
+    absmax = x.detach().abs().amax(dim=1, keepdim=True).float()  # (N, 1)
+    scales = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))  # zero rows: any
+    q = torch.round(x.float() / scales).clamp_(-QMAX, QMAX).to(torch.int8)  # (N, K)
+    return q, scales
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 ``a`` (N, K) times int8 ``b`` (K, M) -> int32 (N, M), summed exactly in integers.
+
+    ``torch._int_mm`` is torch's int8 GEMM (the VNNI / IMMA instructions where the hardware has
+    them). A CUDA GPU runs it only for N > 16 and K, M multiples of 8; other shapes use a float64
+    product, which is exact too (every partial sum is an integer below 2^53).
+    """
+    if a.dtype != torch.int8 or b.dtype != torch.int8:
+        raise TypeError(f"int8_matmul needs int8 operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+    if a.shape[1] * QMAX * QMAX >= 2**31:
+        raise ValueError(f"K = {a.shape[1]} products of int8 could overflow an int32 sum")
+    n, k = a.shape
+    if a.is_cuda and not (n > 16 and k % 8 == 0 and b.shape[1] % 8 == 0):
+        return (a.double() @ b.double()).to(torch.int32)
+    return torch._int_mm(a, b)  # int8 x int8 -> int32 accumulate
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` that multiplies in integers: int8 weights (one scale per output channel)
+    times int8 activations (one scale per input row, found at run time), int32 sums, and one
+    float multiply by both scales at the end: ``y = (x_q @ w_q^T) * s_x * s_w^T + b``."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_int8(linear.weight.detach(), per_channel=True)
+        self.register_buffer("weight_q", q)  # (out, in) int8
+        self.register_buffer("scales", scales.reshape(1, -1))  # (1, out) float32
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        x_q, x_scales = quantize_rows(rows)  # (N, in) int8, (N, 1)
+        acc = int8_matmul(x_q, self.weight_q.t())  # (N, out) int32: exact integer sums
+        y = acc.float() * x_scales * self.scales  # back to real units: s_x (row) * s_w (column)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, int8 x int8 -> int32"
+
+
+def int8_model(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` an :class:`Int8Linear`."""
+    return _replace_linears(model, Int8Linear)
 
 
 # ---- Measuring: error, bytes, accuracy ----------------------------------------------------------
@@ -195,12 +271,16 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def train_digits_mlp(steps: int = 150, hidden: int = 128, seed: int = 0) -> MLP:
+def train_digits_mlp(
+    steps: int = 150, hidden: int | Sequence[int] = 128, seed: int = 0, lr: float = 1e-2
+) -> MLP:
     """An MLP trained full-batch with Adam on the digits train split: about 97% test accuracy
-    in a second on a laptop CPU, and deterministic for a given seed."""
+    in a second on a laptop CPU, and deterministic for a given seed. ``hidden`` is one width or
+    a sequence of them (chapter 8 trains a (256, 256) teacher)."""
     x, y = load_digits("train")
-    model = mlp(seed=seed, in_features=64, hidden=(hidden,), out_features=10)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    widths = (hidden,) if isinstance(hidden, int) else tuple(hidden)
+    model = mlp(seed=seed, in_features=64, hidden=widths, out_features=10)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()

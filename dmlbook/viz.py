@@ -2,16 +2,19 @@
 
 Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-against-global-batch
 sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
-chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it).
+chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it); chapters 6
+and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as
+white space).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import matplotlib.pyplot as plt
 
-__all__ = ["bars", "chunk_grid", "curves"]
+__all__ = ["bars", "chunk_grid", "curves", "gantt"]
 
 
 def bars(
@@ -86,5 +89,46 @@ def chunk_grid(
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=2, ec="k"))
     ax.set_xticks(range(world), [f"chunk {c}" for c in range(world)], fontsize=8)
     ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.pipeline.OpRecord
+    op: str
+    microbatch: int
+    start: float
+    end: float
+
+
+GANTT_COLOURS = {"F": "#4c8bd6", "B": "#e8913a"}  # forward blue, backward orange; others grey
+
+
+def gantt(
+    timelines: Sequence[Sequence[_Op]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: str = "ms",
+    labels: Sequence[str] | None = None,
+) -> plt.Axes:
+    """Per-stage timeline of a pipelined step: one row per stage (stage 0 on top), one box per
+    op from its start to its end, F and B in different colours, the micro-batch number inside.
+    White space is idle time: the pipeline bubble, measured rather than drawn from a formula.
+    """
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    rows = len(timelines)
+    ax = ax or plt.subplots(figsize=(8, 0.55 * rows + 1.1))[1]
+    starts = [r.start for timeline in timelines for r in timeline]
+    t0 = min(starts, default=0.0)
+    for row, timeline in enumerate(timelines):
+        for r in timeline:
+            left, width = (r.start - t0) * scale, (r.end - r.start) * scale
+            colour = GANTT_COLOURS.get(r.op, "0.6")
+            ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
+            ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
+    ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, as in the book's figures
+    ax.set_xlabel(f"time since the step started ({unit})")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
+    ax.legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
     ax.set_title(title, fontsize=9)
     return ax

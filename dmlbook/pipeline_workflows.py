@@ -1,0 +1,391 @@
+"""Model-parallel workflows: train, fine-tune and serve a model cut into pipeline stages.
+
+Chapter 7 ("Model-parallel training and serving workflows") puts chapter 6's pipeline
+(:mod:`dmlbook.pipeline`) to work. Everything here is a *rank function* for
+``dmlbook.launch.run(fn, P, ...)``: rank s builds the whole model from the same seed, keeps stage
+s (``counts[s]`` consecutive layers) and runs its part of every step.
+
+- :func:`train_pipelined` is the one training loop for every pipeline: any number of stages
+  (P = 1 is plain single-process training, with or without a process group), any split
+  (``counts`` from ``even_partition`` or a balancer, :mod:`dmlbook.stage_balancing`), any number
+  of micro-batches. ``microbatches=1`` turns pipelining off, ``> 1`` turns it on; nothing else
+  changes. :func:`train_reference` is the plain single-process loop it must agree with.
+- Fine-tuning is training from other weights: :func:`with_weights` wraps a model factory so every
+  rank starts from a pre-trained state dict; :func:`finetune_text` is a second text that ships
+  with Python (stdlib docstrings) to fine-tune on, and :func:`lm_batches` and :func:`lm_loss`
+  make batches and held-out losses of a character language model.
+- :func:`serve_pipelined` answers a stream of requests with the stages overlapping them:
+  ``in_flight`` requests enter the pipeline together as micro-batches (1: one at a time, no
+  overlap). :func:`serve_reference` is one process answering them one by one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from dmlbook import pipeline as pp
+from dmlbook.datasets import char_blocks
+
+__all__ = [
+    "ServeResult",
+    "TrainResult",
+    "finetune_text",
+    "lm_batches",
+    "lm_loss",
+    "merge_states",
+    "next_token_loss",
+    "serve_pipelined",
+    "serve_reference",
+    "step_times",
+    "train_pipelined",
+    "train_reference",
+    "unbalanced_mlp",
+    "with_weights",
+]
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
+
+
+@dataclass
+class TrainResult:
+    """What one stage (or the single process) saw over a training run."""
+
+    stage: int
+    counts: list[int]  # layers per stage of the split that was trained
+    losses: list[float] | None  # batch mean loss per step: last stage only (None elsewhere)
+    step_times: list[float]  # seconds per step on this rank, optimizer step included
+    state: dict[str, torch.Tensor]  # this stage's parameters after training, full-model names
+    timeline: list[pp.OpRecord] = field(default_factory=list)  # the last step's ops
+    sent_bytes: int = 0  # activation and gradient bytes this stage sent in the last step
+
+
+@dataclass
+class ServeResult:
+    """What one stage (or the single process) saw while serving a stream of requests."""
+
+    stage: int
+    outputs: list[torch.Tensor] | None  # one output per request: last stage only
+    latencies: list[float] | None  # seconds from a request's window start to its output
+    total_s: float  # wall time for the whole stream
+    timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
+
+
+# ---- Helpers ----------------------------------------------------------------------------------
+
+
+def next_token_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy for classifier outputs (N, C) and for language-model logits (B, T, V)."""
+    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+
+
+def _pipeline_group(group) -> tuple[int, int]:
+    """(rank, size) in the pipeline group; (0, 1) when no process group is running."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _barrier(group, size: int) -> None:
+    if size > 1:
+        dist.barrier(group=group)
+
+
+def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):
+    """This rank's stage module and the split, checked against the group's size."""
+    layers = pp.layers_of(model)
+    counts = list(counts) if counts is not None else pp.even_partition(len(layers), size)
+    if len(counts) != size:
+        raise ValueError(f"counts {counts} name {len(counts)} stages, but the group has {size}")
+    return pp.split_model(layers, counts)[rank], counts
+
+
+def _named_state(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers, named as in ``model``'s state dict, copied to CPU."""
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    tensors = [*module.parameters(), *module.buffers()]
+    return {names[id(t)]: t.detach().to("cpu", copy=True) for t in tensors}
+
+
+def merge_states(results: Sequence[TrainResult]) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from every stage's part (``run``'s list of results)."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        merged.update(result.state)
+    return merged
+
+
+def step_times(results: Sequence[TrainResult]) -> list[float]:
+    """A pipeline step lasts until its slowest stage is done: the max over ranks, step by step."""
+    return [max(times) for times in zip(*(r.step_times for r in results), strict=True)]
+
+
+# ---- A model that an even split serves badly -------------------------------------------------
+
+
+def unbalanced_mlp(
+    widths: Sequence[int] = (4096, 4096, 64, 64, 64),
+    dim: int = 64,
+    classes: int = 10,
+    seed: int = 0,
+) -> nn.Sequential:
+    """A classifier of (N, dim) inputs whose layers differ a lot in cost: layer i is the block
+    Linear(dim, widths[i]) -> ReLU -> Linear(widths[i], dim) -> ReLU, then a Linear head. Every
+    layer hands the next an (N, dim) tensor, so a cut anywhere sends the same bytes and only the
+    compute differs between splits (the balancing demo of chapter 7)."""
+
+    def build() -> nn.Sequential:
+        blocks = [
+            nn.Sequential(nn.Linear(dim, w), nn.ReLU(), nn.Linear(w, dim), nn.ReLU())
+            for w in widths
+        ]
+        return nn.Sequential(*blocks, nn.Linear(dim, classes))
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+# ---- Training ---------------------------------------------------------------------------------
+
+
+def _batch_for(batches: Sequence[Batch], step: int) -> Batch:
+    return batches[step % len(batches)]
+
+
+def _check_training(batches: Sequence[Batch], steps: int | None) -> int:
+    if not batches:
+        raise ValueError("batches is empty: nothing to train on")
+    steps = len(batches) if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return steps
+
+
+def train_pipelined(
+    model_fn: Callable[[], nn.Module],
+    counts: Sequence[int] | None,
+    batches: Sequence[Batch],
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    lr: float = 1e-3,
+    steps: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+    group: dist.ProcessGroup | None = None,
+) -> TrainResult:
+    """Train stage ``rank`` of ``model_fn()`` cut into ``counts`` layers per stage (None: even).
+
+    Every step takes the next of ``batches`` (cycling; ``steps`` defaults to one pass), splits
+    it into ``microbatches``, runs the schedule, then steps this stage's own optimizer
+    (``optimizer(params, lr=lr)``) on its own parameters: the update needs no communication,
+    because no parameter lives on two stages. ``microbatches=1`` is vanilla model parallelism;
+    P = 1 is single-process training.
+    """
+    steps = _check_training(batches, steps)
+    rank, size = _pipeline_group(group)
+    model = model_fn()
+    module, counts = _stage_of(model, counts, rank, size)
+    stage = pp.PipelineStage(module, rank, size, group=group)
+    opt = optimizer(module.parameters(), lr=lr)
+    losses, times = [], []
+    for step in range(steps):
+        inputs, targets = _batch_for(batches, step)
+        _barrier(group, size)  # every stage starts the step together: honest step times
+        start = time.perf_counter()
+        opt.zero_grad()
+        result = stage.train_step(
+            inputs if stage.is_first else None,
+            targets if stage.is_last else None,
+            loss_fn if stage.is_last else None,
+            microbatches,
+            schedule,
+        )
+        opt.step()  # each stage updates only what it holds
+        times.append(time.perf_counter() - start)
+        losses.append(result.loss)
+    return TrainResult(
+        stage=rank,
+        counts=counts,
+        losses=losses if stage.is_last else None,
+        step_times=times,
+        state=_named_state(model, module),
+        timeline=result.timeline,
+        sent_bytes=result.sent_bytes,
+    )
+
+
+def train_reference(
+    model_fn: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    lr: float = 1e-3,
+    steps: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+) -> TrainResult:
+    """The single-process loop that :func:`train_pipelined` must equal: the model's own forward,
+    one backward of the batch's mean loss, one optimizer step."""
+    steps = _check_training(batches, steps)
+    model = model_fn()
+    opt = optimizer(model.parameters(), lr=lr)
+    losses, times = [], []
+    for step in range(steps):
+        inputs, targets = _batch_for(batches, step)
+        start = time.perf_counter()
+        opt.zero_grad()
+        outputs = model(inputs)
+        outputs = outputs[0] if isinstance(outputs, tuple) else outputs  # CharGPT: (logits, loss)
+        loss = loss_fn(outputs, targets)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    n_layers = len(pp.layers_of(model))
+    return TrainResult(0, [n_layers], losses, times, _named_state(model, model))
+
+
+# ---- Fine-tuning ----------------------------------------------------------------------------
+
+
+def _build_with_weights(model_fn: Callable[[], nn.Module], state: dict) -> nn.Module:
+    model = model_fn()
+    model.load_state_dict(state)
+    return model
+
+
+def with_weights(
+    model_fn: Callable[[], nn.Module], state: dict[str, torch.Tensor]
+) -> Callable[[], nn.Module]:
+    """A model factory that builds ``model_fn()`` and loads ``state`` into it: how every rank of
+    a fine-tuning run starts from the same pre-trained weights (the state travels with it)."""
+    return functools.partial(_build_with_weights, model_fn, state)
+
+
+FINETUNE_MODULES = (
+    "statistics",
+    "json",
+    "random",
+    "textwrap",
+    "itertools",
+    "collections",
+    "functools",
+    "heapq",
+)
+
+
+def finetune_text(modules: Sequence[str] = FINETUNE_MODULES) -> str:
+    """The docstrings of some standard-library modules (about 48k characters): a second text that
+    ships with Python, in another register than ``char_corpus``'s language reference."""
+    parts = []
+    for name in modules:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue  # private, or imported from elsewhere
+            if doc := inspect.getdoc(obj):
+                parts.append(f"{attr}: {doc}")
+    return "\n\n".join(parts)
+
+
+def lm_batches(
+    ids: torch.Tensor, block_size: int, batch_size: int, steps: int, seed: int = 0
+) -> list[Batch]:
+    """``steps`` batches of ``batch_size`` random windows of ``ids`` (next-character pairs)."""
+    x, y = char_blocks(ids, block_size, seed=seed, n=steps * batch_size)
+    return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
+
+
+@torch.no_grad()
+def lm_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean next-character loss of a CharGPT over held-out batches (all of equal size)."""
+    was_training = model.training
+    model.eval()
+    losses = [model(x, y)[1].item() for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+# ---- Serving --------------------------------------------------------------------------------
+
+
+def _windows(n: int, in_flight: int) -> list[range]:
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    return [range(i, min(i + in_flight, n)) for i in range(0, n, in_flight)]
+
+
+def _check_requests(requests: Sequence[torch.Tensor]) -> None:
+    if not len(requests):
+        raise ValueError("no requests to serve")
+    shapes = {tuple(r.shape) for r in requests}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"every request must have the same shape to share micro-batches, got {sorted(shapes)}"
+        )
+
+
+def _logits(outputs):
+    return outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+def serve_pipelined(
+    model_fn: Callable[[], nn.Module],
+    counts: Sequence[int] | None,
+    requests: Sequence[torch.Tensor],
+    in_flight: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> ServeResult:
+    """Answer ``requests`` (equal shapes; each is one micro-batch) in arrival order through a
+    pipeline: ``in_flight`` requests enter together, one micro-batch each, so stage 1 works on
+    request i while stage 0 already works on request i + 1. ``in_flight=1`` sends one request at
+    a time: no overlap. A request's latency runs from the start of its window (when it was taken
+    up) to its output leaving the last stage."""
+    _check_requests(requests)
+    windows = _windows(len(requests), in_flight)
+    rank, size = _pipeline_group(group)
+    model = model_fn().eval()
+    module, _ = _stage_of(model, counts, rank, size)
+    stage = pp.PipelineStage(module, rank, size, group=group)
+    outputs, latencies, timelines = [], [], []
+    _barrier(group, size)
+    start = time.perf_counter()
+    for window in windows:
+        batch = torch.cat([requests[i] for i in window]) if stage.is_first else None
+        result = stage.infer(batch, microbatches=len(window))  # starts at a common t0
+        timelines.append(result.timeline)
+        if stage.is_last:
+            outputs += list(result.outputs.cpu().chunk(len(window)))
+            latencies += [r.end for r in result.timeline]  # since the window's t0
+    _barrier(group, size)
+    total = time.perf_counter() - start
+    return ServeResult(
+        stage=rank,
+        outputs=outputs if stage.is_last else None,
+        latencies=latencies if stage.is_last else None,
+        total_s=total,
+        timelines=timelines,
+    )
+
+
+@torch.no_grad()
+def serve_reference(model: nn.Module, requests: Sequence[torch.Tensor]) -> ServeResult:
+    """One process answers the requests one at a time: latency is one whole-model forward."""
+    _check_requests(requests)
+    model.eval()
+    outputs, latencies = [], []
+    start = time.perf_counter()
+    for request in requests:
+        taken_up = time.perf_counter()
+        outputs.append(_logits(model(request)))
+        latencies.append(time.perf_counter() - taken_up)
+    return ServeResult(0, outputs, latencies, time.perf_counter() - start)

@@ -1,0 +1,157 @@
+"""Chapter 5's exercise checkers: right answers pass, unanswered ones are "not attempted", and
+planted bugs are caught with a message that says what is wrong: a layer count without biases,
+LayerNorms or the output projection, or with 4 d_model for d_ff; training state without
+gradients, with one Adam moment, with mixed precision as all 16-bit, with bf16 moments in fp32;
+a largest batch that is one too many, one too few, or ignores that nothing fits."""
+
+import pytest
+
+from dmlbook import memory
+from dmlbook.exercises import ExerciseFailed, ch05
+
+
+def unanswered(*args):
+    raise NotImplementedError
+
+
+# ---- 1. parameters of a layer ------------------------------------------------------------------
+
+
+def count(h, f):
+    return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+
+
+def count_without_biases(h, f):
+    return 4 * h * h + 2 * h * f + 4 * h
+
+
+def count_without_layernorms(h, f):
+    return 4 * h * h + 4 * h + 2 * h * f + f + h
+
+
+def count_without_output_projection(h, f):
+    return 3 * h * h + 3 * h + 2 * h * f + f + h + 4 * h
+
+
+def count_with_4h(h, f):
+    return count(h, 4 * h)
+
+
+def count_returning_a_float(h, f):
+    return float(count(h, f))
+
+
+def test_layer_parameters_passes_the_right_answer():
+    assert ch05.check_layer_parameters(count).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (count_without_biases, "you left out the biases"),
+        (count_without_layernorms, "you left out the two LayerNorms"),
+        (count_without_output_projection, "output projection"),
+        (count_with_4h, "the feed-forward width is d_ff, not 4 d_model"),
+        (count_returning_a_float, "must return an int"),
+    ],
+)
+def test_layer_parameters_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch05.check_layer_parameters(answer)
+
+
+# ---- 2. bytes of training state ----------------------------------------------------------------
+
+BYTES = {"fp32": 4, "bf16": 2, "mixed": 4}
+BUFFERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
+
+
+def state_bytes(n, precision, optimizer):
+    return n * BYTES[precision] * (2 + BUFFERS[optimizer])
+
+
+def state_bytes_without_gradients(n, precision, optimizer):
+    return n * BYTES[precision] * (1 + BUFFERS[optimizer])
+
+
+def state_bytes_adam_one_moment(n, precision, optimizer):
+    return n * BYTES[precision] * (2 + min(BUFFERS[optimizer], 1))
+
+
+def state_bytes_mixed_all_16_bit(n, precision, optimizer):
+    per = 2 if precision == "mixed" else BYTES[precision]
+    return n * per * (2 + BUFFERS[optimizer])
+
+
+def state_bytes_bf16_moments_in_fp32(n, precision, optimizer):
+    return n * (2 * BYTES[precision] + 4 * BUFFERS[optimizer])
+
+
+def test_training_state_bytes_passes_the_right_answer():
+    assert ch05.check_training_state_bytes(state_bytes).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (state_bytes_without_gradients, "Weights AND gradients"),
+        (state_bytes_adam_one_moment, "Adam keeps two moments"),
+        (state_bytes_mixed_all_16_bit, "keeps fp32 weights, gradients and optimizer moments"),
+        (state_bytes_bf16_moments_in_fp32, "optimizer state is bf16 too"),
+    ],
+)
+def test_training_state_bytes_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch05.check_training_state_bytes(answer)
+
+
+# ---- 3. largest batch --------------------------------------------------------------------------
+
+
+def largest(spec, seq, device_bytes):
+    batch = 0
+    while memory.estimate(spec, batch + 1, seq).total <= device_bytes:
+        batch += 1
+    return batch
+
+
+def largest_one_too_many(spec, seq, device_bytes):
+    return largest(spec, seq, device_bytes) + 1
+
+
+def largest_one_too_few(spec, seq, device_bytes):
+    return max(0, largest(spec, seq, device_bytes) - 1)
+
+
+def largest_at_least_one(spec, seq, device_bytes):
+    return max(1, largest(spec, seq, device_bytes))
+
+
+def largest_from_activations_only(spec, seq, device_bytes):
+    """Scales batch 1's activations, forgetting the weights, gradients and optimizer state."""
+    one = memory.estimate(spec, 1, seq)
+    return int(device_bytes // (one.activations + one.transient))
+
+
+def test_largest_batch_passes_the_right_answer():
+    assert ch05.check_largest_batch(largest).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (largest_one_too_many, r"more than the device has \(off by one\?\)"),
+        (largest_one_too_few, "you stopped one short"),
+        (largest_at_least_one, "batch 1 needs"),
+        (largest_from_activations_only, "more than the device has"),
+    ],
+)
+def test_largest_batch_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch05.check_largest_batch(answer)
+
+
+def test_unanswered_exercises_are_not_attempted():
+    assert ch05.check_layer_parameters(unanswered).status == "not attempted"
+    assert ch05.check_training_state_bytes(unanswered).status == "not attempted"
+    assert ch05.check_largest_batch(unanswered).status == "not attempted"

@@ -1,0 +1,200 @@
+"""Chapter 7's exercise checkers: right answers pass; planted bugs (greedy filling, cut positions
+instead of counts, empty stages, no ValueError; no overlap, no fill, (M + P - 1) x slowest, mean
+stage, seconds; first-stage ticks, end instead of end - 1, off by one, per micro-batch) are
+caught with a message that says so."""
+
+import functools
+import itertools
+
+import pytest
+
+from dmlbook import stage_balancing as sb
+from dmlbook.exercises import ExerciseFailed, ch07
+
+
+def unanswered(*args):
+    raise NotImplementedError
+
+
+# ---- 1. linear partition -----------------------------------------------------------------------
+
+
+def partition(costs, stages):
+    """A memoised recursion: the first stage takes layers[:k], the rest is the same problem."""
+    if not 1 <= stages <= len(costs):
+        raise ValueError(f"cannot split {len(costs)} layers into {stages} stages")
+
+    @functools.cache
+    def best(start, stages_left):  # -> (bottleneck, counts) for costs[start:]
+        if stages_left == 1:
+            return sum(costs[start:]), (len(costs) - start,)
+        options = []
+        for k in range(1, len(costs) - start - stages_left + 2):
+            rest, counts = best(start + k, stages_left - 1)
+            options.append((max(sum(costs[start : start + k]), rest), (k, *counts)))
+        return min(options)
+
+    return list(best(0, stages)[1])
+
+
+def partition_greedy(costs, stages):
+    if stages > len(costs):
+        raise ValueError("too many stages")
+    target, counts, load = sum(costs) / stages, [0], 0.0
+    for i, cost in enumerate(costs):
+        to_open = stages - len(counts)
+        if counts[-1] and to_open and (load + cost > target or len(costs) - i == to_open):
+            counts.append(0)
+            load = 0.0
+        counts[-1] += 1
+        load += cost
+    return counts
+
+
+def partition_cut_positions(costs, stages):
+    return list(itertools.accumulate(partition(costs, stages)))
+
+
+def partition_allowing_empty_stages(costs, stages):
+    best = min(
+        (
+            (max(sb.stage_costs(costs, [c for c in counts if c]) or [0]), counts)
+            for cuts in itertools.combinations_with_replacement(range(len(costs) + 1), stages - 1)
+            for counts in [[b - a for a, b in itertools.pairwise((0, *cuts, len(costs)))]]
+        ),
+    )
+    return best[1]
+
+
+def partition_without_valueerror(costs, stages):
+    return partition(costs, min(stages, len(costs))) + [0] * max(0, stages - len(costs))
+
+
+def test_linear_partition_passes_right_answers():
+    assert ch07.check_linear_partition(partition).status == "passed"
+    assert ch07.check_linear_partition(sb.partition_by_bisection).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (partition_greedy, "greedy filling up to total / stages"),
+        (partition_cut_positions, "cut positions"),
+        (partition_allowing_empty_stages, "at least one layer"),
+        (partition_without_valueerror, r"instead of raising ValueError"),
+    ],
+)
+def test_linear_partition_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch07.check_linear_partition(answer)
+
+
+# ---- 2. pipeline throughput ------------------------------------------------------------------
+
+
+def stage_sums(costs, counts):
+    out, start = [], 0
+    for c in counts:
+        out.append(sum(costs[start : start + c]))
+        start += c
+    return out
+
+
+def throughput(costs, counts, microbatches, size):
+    per_stage = stage_sums(costs, counts)
+    return microbatches * size / (sum(per_stage) + (microbatches - 1) * max(per_stage))
+
+
+def throughput_no_overlap(costs, counts, microbatches, size):
+    return size / sum(costs)
+
+
+def throughput_steady_state(costs, counts, microbatches, size):
+    return size / max(stage_sums(costs, counts))
+
+
+def throughput_balanced_formula(costs, counts, microbatches, size):
+    per_stage = stage_sums(costs, counts)
+    return microbatches * size / ((microbatches + len(counts) - 1) * max(per_stage))
+
+
+def throughput_mean_stage(costs, counts, microbatches, size):
+    per_stage = stage_sums(costs, counts)
+    mean = sum(per_stage) / len(per_stage)
+    return microbatches * size / (sum(per_stage) + (microbatches - 1) * mean)
+
+
+def throughput_in_seconds(costs, counts, microbatches, size):
+    return 1 / throughput(costs, counts, microbatches, size)
+
+
+def test_pipeline_throughput_passes_the_right_answer():
+    assert ch07.check_pipeline_throughput(throughput).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (throughput_no_overlap, "no overlap"),
+        (throughput_steady_state, "forgets the fill"),
+        (throughput_balanced_formula, r"\(M \+ P - 1\) x the slowest stage"),
+        (throughput_mean_stage, "mean stage cost"),
+        (throughput_in_seconds, "return samples per second"),
+    ],
+)
+def test_pipeline_throughput_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch07.check_pipeline_throughput(answer)
+
+
+# ---- 3. completion ticks -------------------------------------------------------------------
+
+
+def completion_ticks(sizes, microbatch_size, stages):
+    ticks, end = [], 0
+    for size in sizes:
+        end += size
+        last_microbatch = (end - 1) // microbatch_size
+        ticks.append(last_microbatch + stages)
+    return ticks
+
+
+def ticks_first_stage(sizes, microbatch_size, stages):
+    return completion_ticks(sizes, microbatch_size, 1)
+
+
+def ticks_end_not_last_sample(sizes, microbatch_size, stages):
+    return [e // microbatch_size + stages for e in itertools.accumulate(sizes)]
+
+
+def ticks_off_by_one(sizes, microbatch_size, stages):
+    return [t + 1 for t in completion_ticks(sizes, microbatch_size, stages)]
+
+
+def ticks_per_microbatch(sizes, microbatch_size, stages):
+    n = -(-sum(sizes) // microbatch_size)
+    return [k + stages for k in range(n)]
+
+
+def test_completion_ticks_passes_the_right_answer():
+    assert ch07.check_completion_ticks(completion_ticks).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (ticks_first_stage, "FIRST stage"),
+        (ticks_end_not_last_sample, "end - 1, not end"),
+        (ticks_off_by_one, "off by one tick"),
+        (ticks_per_microbatch, "one tick per request"),
+    ],
+)
+def test_completion_ticks_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch07.check_completion_ticks(answer)
+
+
+def test_unanswered_exercises_are_not_attempted():
+    assert ch07.check_linear_partition(unanswered).status == "not attempted"
+    assert ch07.check_pipeline_throughput(unanswered).status == "not attempted"
+    assert ch07.check_completion_ticks(unanswered).status == "not attempted"
