@@ -14,10 +14,17 @@ One module per technique, each naming the chapter that teaches it:
 * ``ps``: a sharded parameter server: synchronous, bounded staleness, asynchronous (chapter 2)
 * ``checkpoint``: atomic, resumable checkpoints (every rank's RNG), and DCP sharded ones
   (chapter 3)
-* ``serving``, ``tuning``: data-parallel inference, parallel hyper-parameter search (chapter 3)
+* ``serving``: data-parallel inference (chapter 3); freezing, offload, low-rank decomposition,
+  distillation and reduced-precision inference (chapter 8)
+* ``tuning``: parallel hyper-parameter search (chapter 3)
 * ``compression``: gradient compression as DDP communication hooks (chapter 4)
 * ``recompute``: activation checkpointing by hand and with torch, measured (chapter 4)
-* ``quantization``: fp16 and int8 weights, with their error (chapters 4 and 8)
+* ``quantization``: fp16 and int8 weights, with their error, and an int8 x int8 matmul
+  (chapters 4 and 8)
+* ``memory``: what training a transformer keeps in memory, estimated and measured (chapter 5)
+* ``pipeline``: layer split over ranks; vanilla, GPipe and 1F1B schedules (chapters 6 and 7)
+* ``stage_balancing``: cut layers into stages by measured cost, a linear-partition DP (chapter 7)
+* ``pipeline_workflows``: pipelined training on and off, fine-tuning and serving (chapter 7)
 * ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs

@@ -82,6 +82,7 @@ __all__ = [
     "measure_stage",
     "measure_step",
     "memory_cap",
+    "onednn_disabled",
     "spec_of",
     "state_bytes_per_parameter",
 ]
@@ -910,6 +911,19 @@ class _Autocast(nn.Module):
 # ---- A small device: a memory cap for one rank -------------------------------------------------
 
 
+@contextmanager
+def onednn_disabled() -> Iterator[None]:
+    """CPU kernels without oneDNN, on PyTorch's own. oneDNN's bf16 kernels keep tens of MB of
+    workspace outside any tensor (as cuDNN and cuBLAS do on a GPU): a :func:`memory_cap` counts
+    it, the estimator does not (chapter 5)."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 _OOM_SIGNS = ("can't allocate memory", "could not create a primitive", "bad_alloc")
 
 
@@ -919,9 +933,12 @@ def memory_cap(budget_bytes: int) -> Iterator[None]:
     beyond it raises ``torch.OutOfMemoryError``, as CUDA's allocator does (chapter 5).
 
     Linux only, and only inside a rank that :func:`dmlbook.launch.run` started, so that a
-    notebook kernel is never the process that runs out. The cap is ``RLIMIT_AS`` (address
-    space) at the current size plus the budget; glibc is told to use one arena and to map every
-    block of 1 MiB or more on its own, so that the address space follows the live tensors.
+    notebook kernel is never the process that runs out. The cap is ``RLIMIT_DATA`` (the
+    process's private writable memory, ``VmData``) at its current size plus the budget; glibc is
+    told to map every block of 128 kB or more on its own, so that freed tensors give their
+    memory back at once. (``RLIMIT_AS`` would be the obvious limit, but it counts the 64 MB that
+    glibc reserves for each thread's heap when reserved, so a thread heap's memory is never
+    charged: a step then "fits" in less than it uses.)
     """
     if not os.environ.get(INSIDE_RUN):
         raise RuntimeError(
@@ -929,20 +946,21 @@ def memory_cap(budget_bytes: int) -> Iterator[None]:
             "notebook's own process: call it from a rank function"
         )
     if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"memory_cap needs Linux (RLIMIT_AS and /proc), not {sys.platform}")
+        raise RuntimeError(f"memory_cap needs Linux (RLIMIT_DATA and /proc), not {sys.platform}")
     if budget_bytes < 1:
         raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
     import resource  # Unix only
 
     libc = ctypes.CDLL(None)
-    libc.mallopt(-8, 1)  # M_ARENA_MAX: threads share one heap (each arena reserves 64 MB)
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, so freed big blocks are unmapped
+    libc.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD fixed at 128 kB: freed blocks are unmapped
     # What a first step would otherwise set up inside the cap, charging it to the budget: the
     # intra-op thread pool (a stack per thread) and torch's profiler (``measure`` uses it).
     torch.ones(1 << 20).add_(1)
     cpu_peak_bytes(lambda: None)
-    before = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_proc_status("VmSize") + int(budget_bytes), before[1]))
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(
+        resource.RLIMIT_DATA, (_proc_status("VmData") + int(budget_bytes), before[1])
+    )
     try:
         yield
     except (RuntimeError, MemoryError) as error:
@@ -956,7 +974,7 @@ def memory_cap(budget_bytes: int) -> Iterator[None]:
             f"({type(error).__name__}: {said})"
         ) from error
     finally:
-        resource.setrlimit(resource.RLIMIT_AS, before)
+        resource.setrlimit(resource.RLIMIT_DATA, before)
 
 
 def _proc_status(field_name: str) -> int:

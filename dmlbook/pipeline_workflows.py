@@ -10,6 +10,8 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
   (``counts`` from ``even_partition`` or a balancer, :mod:`dmlbook.stage_balancing`), any number
   of micro-batches. ``microbatches=1`` turns pipelining off, ``> 1`` turns it on; nothing else
   changes. :func:`train_reference` is the plain single-process loop it must agree with.
+  :class:`PipelinedTrainer` is that loop one step at a time, so that several splits can take
+  turns on the same ranks and be timed under the same conditions.
 - Fine-tuning is training from other weights: :func:`with_weights` wraps a model factory so every
   rank starts from a pre-trained state dict; :func:`finetune_text` is a second text that ships
   with Python (stdlib docstrings) to fine-tune on, and :func:`lm_batches` and :func:`lm_loss`
@@ -17,6 +19,9 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
 - :func:`serve_pipelined` answers a stream of requests with the stages overlapping them:
   ``in_flight`` requests enter the pipeline together as micro-batches (1: one at a time, no
   overlap). :func:`serve_reference` is one process answering them one by one.
+- :func:`parallel_cores` says how many cores the ranks really get together: a pipeline overlaps
+  its stages only when each has one, which a shared machine does not always give.
+- :func:`unbalanced_mlp` is a model whose layers differ a lot in cost, for balancing.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from torch.nn import functional as F
 
 from dmlbook import pipeline as pp
 from dmlbook.datasets import char_blocks
+from dmlbook.launch import device as rank_device
 
 __all__ = [
+    "PipelinedTrainer",
     "ServeResult",
     "TrainResult",
     "finetune_text",
@@ -44,6 +51,7 @@ __all__ = [
     "lm_loss",
     "merge_states",
     "next_token_loss",
+    "parallel_cores",
     "serve_pipelined",
     "serve_reference",
     "step_times",
@@ -65,8 +73,13 @@ class TrainResult:
     losses: list[float] | None  # batch mean loss per step: last stage only (None elsewhere)
     step_times: list[float]  # seconds per step on this rank, optimizer step included
     state: dict[str, torch.Tensor]  # this stage's parameters after training, full-model names
-    timeline: list[pp.OpRecord] = field(default_factory=list)  # the last step's ops
+    timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # each step's ops
     sent_bytes: int = 0  # activation and gradient bytes this stage sent in the last step
+
+    @property
+    def timeline(self) -> list[pp.OpRecord]:
+        """The last step's ops."""
+        return self.timelines[-1] if self.timelines else []
 
 
 @dataclass
@@ -171,6 +184,68 @@ def _check_training(batches: Sequence[Batch], steps: int | None) -> int:
     return steps
 
 
+class PipelinedTrainer:
+    """Stage ``rank`` of ``model_fn()`` cut into ``counts`` layers per stage (None: even), trained
+    one :meth:`step` at a time. Several trainers can live side by side on the same ranks and take
+    turns, so that two splits are timed under the same conditions (chapter 7's balancing)."""
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        counts: Sequence[int] | None,
+        microbatches: int = 1,
+        schedule: str = "gpipe",
+        lr: float = 1e-3,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
+        optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.rank, self.size = _pipeline_group(group)
+        self.model = model_fn()
+        self.module, self.counts = _stage_of(self.model, counts, self.rank, self.size)
+        self.stage = pp.PipelineStage(self.module, self.rank, self.size, group=group)
+        self.optimizer = optimizer(self.module.parameters(), lr=lr)
+        self.microbatches, self.schedule = microbatches, schedule
+        self.loss_fn, self.group = loss_fn, group
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.timelines: list[list[pp.OpRecord]] = []
+        self.sent_bytes = 0
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> pp.StepResult:
+        """One training step on one batch (every rank passes the same batch; the first stage
+        uses the inputs, the last the targets), then this stage's own optimizer step."""
+        _barrier(self.group, self.size)  # every stage starts the step together: honest times
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        stage = self.stage
+        result = stage.train_step(
+            inputs if stage.is_first else None,
+            targets if stage.is_last else None,
+            self.loss_fn if stage.is_last else None,
+            self.microbatches,
+            self.schedule,
+        )
+        self.optimizer.step()  # each stage updates only what it holds: no communication
+        self.step_times.append(time.perf_counter() - start)
+        self.losses.append(result.loss)
+        self.timelines.append(result.timeline)
+        self.sent_bytes = result.sent_bytes
+        return result
+
+    def result(self) -> TrainResult:
+        """What this stage saw so far, with a copy of its parameters."""
+        return TrainResult(
+            stage=self.rank,
+            counts=self.counts,
+            losses=list(self.losses) if self.stage.is_last else None,
+            step_times=list(self.step_times),
+            state=_named_state(self.model, self.module),
+            timelines=list(self.timelines),
+            sent_bytes=self.sent_bytes,
+        )
+
+
 def train_pipelined(
     model_fn: Callable[[], nn.Module],
     counts: Sequence[int] | None,
@@ -192,36 +267,12 @@ def train_pipelined(
     P = 1 is single-process training.
     """
     steps = _check_training(batches, steps)
-    rank, size = _pipeline_group(group)
-    model = model_fn()
-    module, counts = _stage_of(model, counts, rank, size)
-    stage = pp.PipelineStage(module, rank, size, group=group)
-    opt = optimizer(module.parameters(), lr=lr)
-    losses, times = [], []
-    for step in range(steps):
-        inputs, targets = _batch_for(batches, step)
-        _barrier(group, size)  # every stage starts the step together: honest step times
-        start = time.perf_counter()
-        opt.zero_grad()
-        result = stage.train_step(
-            inputs if stage.is_first else None,
-            targets if stage.is_last else None,
-            loss_fn if stage.is_last else None,
-            microbatches,
-            schedule,
-        )
-        opt.step()  # each stage updates only what it holds
-        times.append(time.perf_counter() - start)
-        losses.append(result.loss)
-    return TrainResult(
-        stage=rank,
-        counts=counts,
-        losses=losses if stage.is_last else None,
-        step_times=times,
-        state=_named_state(model, module),
-        timeline=result.timeline,
-        sent_bytes=result.sent_bytes,
+    trainer = PipelinedTrainer(
+        model_fn, counts, microbatches, schedule, lr, loss_fn, optimizer, group
     )
+    for step in range(steps):
+        trainer.step(*_batch_for(batches, step))
+    return trainer.result()
 
 
 def train_reference(
@@ -389,3 +440,30 @@ def serve_reference(model: nn.Module, requests: Sequence[torch.Tensor]) -> Serve
         outputs.append(_logits(model(request)))
         latencies.append(time.perf_counter() - taken_up)
     return ServeResult(0, outputs, latencies, time.perf_counter() - start)
+
+
+# ---- Is there a core per stage? ---------------------------------------------------------------
+
+
+def parallel_cores(seconds: float = 0.2, group: dist.ProcessGroup | None = None) -> float:
+    """How many cores the ranks of ``group`` get together: a one-thread matmul burst on rank 0
+    alone, then on every rank at once; (sum of the rates together) / (rate alone). About the
+    number of ranks on an idle machine, less when other work shares the cores, and then the
+    pipeline's overlap (and any timing of it) is lost."""
+    rank, size = _pipeline_group(group)
+    a = torch.randn(256, 256)
+
+    def rate() -> float:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ a
+            count += 1
+        return count / (time.perf_counter() - start)
+
+    _barrier(group, size)
+    alone = rate() if rank == 0 else 0.0
+    _barrier(group, size)
+    rates = torch.tensor([rate(), alone], dtype=torch.float64, device=rank_device())
+    if size > 1:
+        dist.all_reduce(rates, group=group)  # sums: (all ranks together, rank 0 alone)
+    return (rates[0] / rates[1]).item()

@@ -129,6 +129,8 @@ def gantt(
     ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, as in the book's figures
     ax.set_xlabel(f"time since the step started ({unit})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
-    ax.legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
+    ax.legend(
+        handles, ["forward", "backward"], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0)
+    )
     ax.set_title(title, fontsize=9)
     return ax

@@ -251,7 +251,7 @@ def test_each_pipeline_stage_measures_what_the_estimator_predicts():
 
 def _cap_checks(budget: int) -> dict:
     """Inside a rank: fits under the cap, fails past it with OutOfMemoryError, limit restored."""
-    limit_before = resource.getrlimit(resource.RLIMIT_AS)
+    limit_before = resource.getrlimit(resource.RLIMIT_DATA)
     with memory.memory_cap(budget):
         x = torch.ones(budget // 2, dtype=torch.uint8)  # half the budget
         del x
@@ -269,7 +269,7 @@ def _cap_checks(budget: int) -> dict:
             other = str(e)
     return dict(
         error=error, other=other,
-        restored=resource.getrlimit(resource.RLIMIT_AS) == limit_before,
+        restored=resource.getrlimit(resource.RLIMIT_DATA) == limit_before,
     )  # fmt: skip
 
 

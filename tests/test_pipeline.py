@@ -22,8 +22,8 @@ VOCAB, BATCH, SEQ = 20, 12, 8  # 12 sequences: 1, 2, 3, 4 and 6 micro-batches di
 TOL = dict(rtol=0, atol=1e-6)  # the claim; float64 keeps the real error near 1e-15
 # (schedule, micro-batches) trained at each pipeline depth; M < P and M not a multiple of P too.
 CASES = {
-    2: [("vanilla", 1), ("gpipe", 1), ("gpipe", 6), ("1f1b", 3), ("1f1b", 6)],
-    3: [("vanilla", 1), ("gpipe", 3), ("gpipe", 6), ("1f1b", 2), ("1f1b", 4), ("1f1b", 6)],
+    2: [("vanilla", 1), ("gpipe", 6), ("1f1b", 3), ("1f1b", 6)],
+    3: [("vanilla", 1), ("gpipe", 3), ("gpipe", 6), ("1f1b", 2), ("1f1b", 6)],
     4: [("gpipe", 2), ("gpipe", 6), ("1f1b", 3), ("1f1b", 6)],
 }
 TORCH_CASES = {2: [("gpipe", 6), ("1f1b", 3)], 3: [("gpipe", 3), ("1f1b", 6)], 4: []}

@@ -1,6 +1,7 @@
 """Tests for dmlbook.pipeline_workflows: pipelined training, fine-tuning and serving at world
-sizes 1, 2 and 3 (even, uneven and balanced splits; one and several micro-batches; GPipe and
-1F1B) equal the single-process reference; bad input raises ValueError without hanging."""
+sizes 1 (no process group), 2 and 3 (even, uneven and balanced splits; one and several
+micro-batches; GPipe and 1F1B; two trainers taking turns) equal the single-process reference;
+bad input raises ValueError, on every rank, without hanging."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dmlbook import pipeline as pp
 from dmlbook import pipeline_workflows as pw
 from dmlbook import stage_balancing as sb
 from dmlbook.datasets import CharVocab, char_corpus
-from dmlbook.launch import RankError, run
+from dmlbook.launch import run
 from dmlbook.models import char_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,8 +77,12 @@ def gpt_counts(stages: int) -> list[int] | None:
 
 
 def _workflows(pretrained):
-    stages = dist.get_world_size()
+    stages = dist.get_world_size() if dist.is_initialized() else 1
     out = {}
+    try:  # a split for another number of ranks: every rank refuses before sending anything
+        pw.train_pipelined(gpt, [5] * (stages + 1), gpt_batches())
+    except ValueError as error:
+        out["wrong split"] = str(error)
     for schedule, microbatches in (("gpipe", 1), ("gpipe", 3), ("1f1b", 4)):
         out["gpt", schedule, microbatches] = pw.train_pipelined(
             gpt, gpt_counts(stages), gpt_batches(), microbatches, schedule, lr=1e-2
@@ -91,11 +96,25 @@ def _workflows(pretrained):
     )
     for in_flight in (1, 3):
         out["serve", in_flight] = pw.serve_pipelined(gpt, None, requests(), in_flight)
+    # two trainers taking turns on the same ranks do not disturb each other
+    turns = {
+        "gpt": pw.PipelinedTrainer(gpt, None, 2, "1f1b", lr=1e-2),
+        "mlp": pw.PipelinedTrainer(
+            wide_then_narrow, balanced_counts(stages), 1, lr=1e-2, optimizer=torch.optim.SGD
+        ),
+    }
+    for step in range(5):
+        for name, trainer in turns.items():
+            trainer.step(*{"gpt": gpt_batches(), "mlp": mlp_batches()}[name][step % STEPS])
+    out["turns"] = {name: trainer.result() for name, trainer in turns.items()}
+    out["cores"] = pw.parallel_cores(0.02)
     return out
 
 
 @functools.cache
 def results(stages: int):
+    if stages == 1:  # one stage needs no process group: run it right here
+        return [_workflows(pretrained_state())]
     return run(_workflows, stages, pretrained_state(), timeout=90)
 
 
@@ -155,6 +174,22 @@ def test_balanced_split_and_finetuning_equal_single_process(stages):
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
+def test_trainers_taking_turns_equal_single_process(stages):
+    ranks = results(stages)
+    want = {
+        "gpt": pw.train_reference(gpt, gpt_batches(), lr=1e-2, steps=5),
+        "mlp": reference("mlp"),
+    }
+    for name in ("gpt", "mlp"):
+        got = [r["turns"][name] for r in ranks]
+        assert got[-1].losses == pytest.approx(want[name].losses, abs=1e-12), name
+        assert_same_state(pw.merge_states(got), want[name].state)
+        assert len(pw.step_times(got)) == 5
+    cores = ranks[0]["cores"]
+    assert 0 < cores < 100 and all(r["cores"] == cores for r in ranks)  # every rank agrees
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_pipelined_serving_equals_the_model(stages):
     ranks = results(stages)
     want = pw.serve_reference(gpt(), requests())
@@ -208,13 +243,12 @@ def test_bad_input_raises_valueerror():
         pw.serve_reference(gpt(), [])
 
 
-def _wrong_split():
-    return pw.train_pipelined(gpt, [5], gpt_batches())
-
-
-def test_a_split_for_the_wrong_number_of_ranks_is_a_rank_error():
-    with pytest.raises(RankError, match="name 1 stages, but the group has 2"):
-        run(_wrong_split, 2, timeout=30)
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_split_for_another_number_of_ranks_raises_on_every_rank(stages):
+    for rank in results(stages):
+        assert rank["wrong split"] == (
+            f"counts {[5] * (stages + 1)} name {stages + 1} stages, but the group has {stages}"
+        )
 
 
 # ---- fine-tuning data -----------------------------------------------------------------------

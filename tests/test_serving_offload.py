@@ -72,7 +72,7 @@ def test_streamed_model_equals_the_resident_model(tmp_path, prefetch):
 def _train(model, optimizer, x, y, steps=6):
     for _ in range(steps):
         optimizer.zero_grad()
-        layer_loss(model(x)[0] if isinstance(x, torch.LongTensor) else model(x), y).backward()
+        layer_loss(model(x)[0] if x.dtype == torch.long else model(x), y).backward()
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -4,7 +4,7 @@ Chapter 3 ends its pipeline with serving a trained model. Inference needs no gra
 model synchronisation: every rank holds the same frozen model, takes a contiguous slice of the
 inputs, and runs it alone. The only communication is collecting the outputs, in input order, at
 the end. :func:`predict` is that; :func:`shard_bounds` says which slice each rank serves.
-(Chapter 8 adds the model-parallel side of serving.)
+(Chapter 7 adds model-parallel serving; chapter 8 makes the model itself cheaper to serve.)
 """
 
 from __future__ import annotations

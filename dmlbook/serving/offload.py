@@ -156,8 +156,7 @@ class StreamedModel:
         self.skeletons = [copy.deepcopy(layer).to("meta") for layer in layers]
         self.device = torch.device(device)
         self.prefetch = prefetch
-        self.layer_bytes = [sum(self.file.nbytes(f"{i}.{n}") for n in names)
-                            for i, names in enumerate(self.names)]  # fmt: skip
+        self.layer_bytes = [sum(t.nbytes for t in _state(layer).values()) for layer in layers]
         self.peak_resident_bytes = 0  # most weight bytes on the device at once, last call
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
@@ -169,23 +168,21 @@ class StreamedModel:
         n = len(self.skeletons)
         self.peak_resident_bytes = 0
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(self.load, 0)
-            for i in range(n):
-                weights = pending.result()  # wait for layer i's copy
+            upcoming = pool.submit(self.load, 0) if self.prefetch else None
+            for i, skeleton in enumerate(self.skeletons):
+                weights = upcoming.result() if self.prefetch else self.load(i)  # layer i, loaded
                 resident = self.layer_bytes[i]
                 if self.prefetch and i + 1 < n:
-                    pending = pool.submit(self.load, i + 1)  # overlaps with layer i's compute
+                    upcoming = pool.submit(self.load, i + 1)  # copies while layer i computes
                     resident += self.layer_bytes[i + 1]
                 self.peak_resident_bytes = max(self.peak_resident_bytes, resident)
-                x = functional_call(self.skeletons[i], weights, (x,))
+                x = functional_call(skeleton, weights, (x,))  # compute
                 del weights  # layer i leaves the device
-                if not self.prefetch and i + 1 < n:
-                    pending = pool.submit(self.load, i + 1)
         return x
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by name, each tensor once (shared ones under their first name)."""
+    """Parameters and buffers by name: what ``functional_call`` swaps into a skeleton."""
     return dict(module.state_dict(keep_vars=True))
 
 
