@@ -15,7 +15,10 @@ checked against our char-GPT on a CPU to within a few percent:
 - ``measure`` runs a real step of a ``CharGPT`` and measures the same components: parameter,
   gradient and optimizer-state bytes as allocated, saved activations with
   :class:`dmlbook.recompute.SavedTensorMeter`, and the allocator's peak (``cpu_peak_bytes`` reads
-  it from the profiler on a CPU, :func:`dmlbook.recompute.cuda_peak_bytes` on a GPU).
+  it from the profiler on a CPU, :func:`dmlbook.recompute.cuda_peak_bytes` on a GPU);
+  ``measure_stage`` does it for one rank's stage of a model split over ranks.
+- ``memory_cap`` turns a rank into a small device: past its budget, an allocation raises
+  ``torch.OutOfMemoryError``, and the notebook that launched the rank is never at risk.
 - ``korthikanti_bytes`` is the published per-layer formula (Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models"): s b h (34 + 5 a s / h) bytes in fp16
   with dropout and an explicit softmax; ``estimate`` reproduces it in that setting exactly.
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmlbook import pipeline
 from dmlbook.launch import INSIDE_RUN
 from dmlbook.models import CharGPT
 from dmlbook.recompute import (
@@ -72,7 +76,6 @@ __all__ = [
     "cpu_peak_bytes",
     "estimate",
     "estimate_stages",
-    "even_counts",
     "format_bytes",
     "korthikanti_bytes",
     "largest_batch",
@@ -279,6 +282,11 @@ def _layer_params(spec: TransformerSpec) -> list[_Params]:
 # ---- Activations: what each op saves for backward -----------------------------------------------
 
 
+def _stats_bytes(precision: str, device: str) -> int:
+    """LayerNorm's mean and 1/std: fp32 on CUDA whatever the input; the input's dtype on a CPU."""
+    return 4 if device == "cuda" else _BYTES[precision].stats
+
+
 def _mask_bytes(tensor_bytes: int, device: str) -> int:
     """A dropout mask: a bool per element on CUDA; on the CPU, torch saves a float noise tensor
     of the input's dtype."""
@@ -307,7 +315,7 @@ def block_saved_terms(
     tokens, scores = b * s, b * a * s * s
     terms = {
         "LayerNorm inputs (2)": 2 * tokens * h * by.residual,
-        "LayerNorm mean and 1/std (2)": 2 * 2 * tokens * by.stats,
+        "LayerNorm mean and 1/std (2)": 2 * 2 * tokens * _stats_bytes(precision, device),
         "qkv and fc inputs (LayerNorm outputs)": 2 * tokens * h * by.act,
     }
     if attention == "fused":
@@ -341,7 +349,7 @@ def _embed_saved(spec: TransformerSpec, b: int, s: int, precision: str, device: 
     if spec.token_types:
         saved += INDEX_BYTES * b * s  # segment ids
     if spec.kind == "encoder":
-        saved += b * s * spec.d_model * by.residual + 2 * b * s * by.stats  # embedding LayerNorm
+        saved += b * s * (spec.d_model * by.residual + 2 * _stats_bytes(precision, device))
     if spec.dropout > 0:
         saved += b * s * spec.d_model * _mask_bytes(by.residual, device)
     return saved
@@ -359,33 +367,42 @@ def _head_saved(spec: TransformerSpec, b: int, s: int, precision: str, device: s
             tokens * h * by.act + pooled + b * spec.num_labels * by.loss + INDEX_BYTES * b + copies
         )
     loss = tokens * spec.vocab_size * by.loss + INDEX_BYTES * tokens + by.loss  # + total weight
+    stats = 2 * tokens * _stats_bytes(precision, device)
     if spec.head == "lm":  # final LayerNorm (input, stats), output layer input, log-softmax
-        return (
-            tokens * h * by.residual + 2 * tokens * by.stats + tokens * h * by.act + loss + copies
-        )
+        return tokens * h * (by.residual + by.act) + stats + loss + copies
     # MLM: dense input, GELU input, LayerNorm input and stats, decoder input, log-softmax
-    return 4 * tokens * h * by.act + 2 * tokens * by.stats + loss + copies
+    return 4 * tokens * h * by.act + stats + loss + copies
 
 
-def _transient(spec: TransformerSpec, b: int, s: int, precision: str, last: bool = True) -> int:
-    """Held during backward but never saved. On the last stage (or a whole model): the
-    gradients of the log-softmax output and of the logits at the start of backward. (A loop
+def _transient(
+    spec: TransformerSpec, b: int, s: int, precision: str, head_saved: int | None = None
+) -> int:
+    """Bytes held during backward but never saved, at their peak.
+
+    Backward through the last block's feed-forward holds the gradient of the residual stream,
+    the gradients of the GELU output and input (d_ff wide) and a weight-sized gradient before it
+    is added into ``.grad``, while the GELU output and, on the last stage, the head's saved
+    tensors are already freed. At the very start of backward, the last stage instead holds the
+    gradients of the log-softmax output and of the logits. An earlier pipeline stage
+    (``head_saved=None``) also keeps its output and the gradient that comes back for it. (A loop
     that keeps the logits, ``logits, loss = model(x, y)``, holds one more logits-sized tensor.)
-    On an earlier pipeline stage: its output, kept for backward, the gradient that comes back
-    for it, and the feed-forward's d_ff-wide gradients in flight (two, less the GELU output that
-    backward has already freed)."""
+    """
     by = _BYTES[precision]
-    if not last:
-        return 2 * b * s * spec.d_model * by.residual + b * s * spec.d_ff * by.act
-    outputs = b * spec.num_labels if spec.head == "classifier" else b * s * spec.vocab_size
-    return 2 * outputs * by.loss
+    tokens, h, f = b * s, spec.d_model, spec.d_ff
+    feed_forward = (
+        tokens * h * by.residual + tokens * f * by.act + h * f * (by.param + by.weight_copy)
+    )
+    if head_saved is None:
+        return tokens * h * by.residual + feed_forward  # + the stage's output
+    outputs = b * spec.num_labels if spec.head == "classifier" else tokens * spec.vocab_size
+    return max(2 * outputs * by.loss, feed_forward - head_saved)
 
 
 def _attention(spec: TransformerSpec, attention: str | None, device: str) -> str:
+    """The attention path torch takes unless told: on a CPU, attention dropout needs the math
+    path; otherwise, and always on CUDA, a fused kernel."""
     _check_choice("device", device, DEVICES)
-    if (
-        attention is None
-    ):  # what torch picks: on a CPU, dropout inside attention needs the math path
+    if attention is None:
         return "math" if device == "cpu" and spec.dropout > 0 else "fused"
     _check_choice("attention", attention, ATTENTIONS)
     return attention
@@ -412,7 +429,7 @@ class MemoryEstimate:
 
     ``total`` is the peak: weights, gradients (held through the step, as with
     ``zero_grad(set_to_none=False)`` or gradient accumulation), optimizer state, activations at
-    their peak, and the transient logits and their gradient at the start of backward.
+    their peak, and the transient gradients that backward holds at its peak (never saved).
     """
 
     spec: TransformerSpec
@@ -548,15 +565,6 @@ def _segments(recompute: bool | int, n_blocks: int) -> int | None:
     return min(recompute, n_blocks)
 
 
-def even_counts(n_layers: int, stages: int) -> list[int]:
-    """Layers per stage, as even as can be, the larger stages first (``pipeline.even_partition``
-    may choose differently: pass its counts to ``estimate_stages`` to match a real split)."""
-    if stages < 1 or stages > n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {stages} non-empty stages")
-    short, longer = divmod(n_layers, stages)
-    return [short + 1] * longer + [short] * (stages - longer)
-
-
 def estimate_stages(
     spec: TransformerSpec,
     batch: int,
@@ -570,13 +578,14 @@ def estimate_stages(
     device: str = "cpu",
 ) -> list[MemoryEstimate]:
     """One estimate per pipeline stage when the layers ``[embed, block 0, ..., head]`` are cut
-    into ``counts`` consecutive groups (vanilla model parallelism: one micro-batch in flight).
+    into ``counts`` consecutive groups (default: ``pipeline.even_partition``), as vanilla model
+    parallelism runs them: one micro-batch in flight.
     ``recompute`` checkpoints each stage's own blocks (``True``: sqrt(blocks) segments)."""
     seq = spec.max_positions if seq is None else seq
     _validate(batch, seq, spec)
     _check_choice("precision", precision, PRECISIONS)
     rows = _layer_rows(spec, batch, seq, precision, optimizer, attention, device)
-    counts = list(counts) if counts is not None else even_counts(len(rows), stages)
+    counts = list(counts) if counts is not None else pipeline.even_partition(len(rows), stages)
     if sum(counts) != len(rows) or any(c < 1 for c in counts) or len(counts) != stages:
         raise ValueError(
             f"counts {counts} must be {stages} positive numbers of layers summing to {len(rows)} "
@@ -591,7 +600,8 @@ def estimate_stages(
         out.append(
             MemoryEstimate(
                 spec, batch, seq, precision, optimizer, mine, _activation_peak(mine, segments),
-                _transient(spec, batch, seq, precision, last=stage == stages - 1), segments,
+                _transient(spec, batch, seq, precision,
+                           mine[-1].activations if stage == stages - 1 else None), segments,
                 stage if stages > 1 else None,
             )
         )  # fmt: skip
@@ -723,26 +733,32 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def cpu_peak_bytes(step: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during ``step()`` above what it held before it: the CPU
-    counterpart of :func:`dmlbook.recompute.cuda_peak_bytes`, read from the running total that
-    torch's profiler records at every allocation and free (``profile_memory=True``)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    counterpart of :func:`dmlbook.recompute.cuda_peak_bytes`.
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    Torch's profiler with ``profile_memory`` records every allocation and free with its time;
+    their running sum is the allocator's live bytes. The legacy (autograd) profiler is used
+    because it starts in microseconds, where the Kineto one takes seconds on first use.
+    """
+    config = torch.autograd.ProfilerConfig(
+        torch.autograd.ProfilerState.CPU, False, True, False, False, False,
+        torch._C._profiler._ExperimentalConfig(),
+    )  # fmt: skip  # (state, shapes, profile_memory, stack, flops, modules, experimental)
+    torch.autograd._enable_profiler_legacy(config)
+    try:
         step()
-    events = []  # (time, bytes allocated (+) or freed (-), allocator total after it)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
-        stack.extend(node.children)
-    if not events:
-        return 0
-    events.sort()
-    start = events[0][2] - events[0][1]  # the total just before the first event
-    return max(total for *_, total in events) - start
+    finally:
+        records = torch.autograd._disable_profiler_legacy()
+    events = sorted(  # (time, order within its thread, bytes allocated (+) or freed (-))
+        (event.start_us(), i, event.cpu_memory_usage())
+        for thread in records
+        for i, event in enumerate(thread)
+        if event.kind() == "memory_alloc" and event.device() == -1  # -1: the CPU
+    )
+    live = peak = 0
+    for *_, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def measure_step(
@@ -863,8 +879,6 @@ def measure_stage(
     ``PipelineStage.train_step`` with the vanilla schedule (one micro-batch, no overlap),
     measured by :func:`measure_step` on every rank alike.
     """
-    from dmlbook import pipeline
-
     rank, stages = dist.get_rank(), dist.get_world_size()
     seq = model.config.block_size if seq is None else seq
     _validate(batch, seq, spec_of(model))
@@ -913,8 +927,8 @@ class _Autocast(nn.Module):
 
 @contextmanager
 def onednn_disabled() -> Iterator[None]:
-    """CPU kernels without oneDNN, on PyTorch's own. oneDNN's bf16 kernels keep tens of MB of
-    workspace outside any tensor (as cuDNN and cuBLAS do on a GPU): a :func:`memory_cap` counts
+    """CPU kernels without oneDNN, on PyTorch's own. oneDNN's bf16 kernels keep workspace of
+    their own outside any tensor (as cuDNN and cuBLAS do on a GPU): a :func:`memory_cap` counts
     it, the estimator does not (chapter 5)."""
     before = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
@@ -922,6 +936,17 @@ def onednn_disabled() -> Iterator[None]:
         yield
     finally:
         torch.backends.mkldnn.enabled = before
+
+
+def _set_up_a_first_step() -> None:
+    """Run a tiny training step (measured, with each optimizer) so that what a first step sets up
+    once, the intra-op thread pool (a stack per thread) and the modules that autograd, the
+    optimizers and the profiler import lazily, is not charged to a memory cap's budget."""
+    layer = nn.Linear(256, 256)
+    for optimizer in OPTIMIZERS:
+        opt = make_optimizer(optimizer, layer.parameters())
+        cpu_peak_bytes(lambda: layer(torch.ones(1024, 256)).sum().backward())
+        opt.step()
 
 
 _OOM_SIGNS = ("can't allocate memory", "could not create a primitive", "bad_alloc")
@@ -953,10 +978,7 @@ def memory_cap(budget_bytes: int) -> Iterator[None]:
 
     libc = ctypes.CDLL(None)
     libc.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD fixed at 128 kB: freed blocks are unmapped
-    # What a first step would otherwise set up inside the cap, charging it to the budget: the
-    # intra-op thread pool (a stack per thread) and torch's profiler (``measure`` uses it).
-    torch.ones(1 << 20).add_(1)
-    cpu_peak_bytes(lambda: None)
+    _set_up_a_first_step()
     before = resource.getrlimit(resource.RLIMIT_DATA)
     resource.setrlimit(
         resource.RLIMIT_DATA, (_proc_status("VmData") + int(budget_bytes), before[1])

@@ -19,8 +19,10 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
 - :func:`serve_pipelined` answers a stream of requests with the stages overlapping them:
   ``in_flight`` requests enter the pipeline together as micro-batches (1: one at a time, no
   overlap). :func:`serve_reference` is one process answering them one by one.
-- :func:`parallel_cores` says how many cores the ranks really get together: a pipeline overlaps
-  its stages only when each has one, which a shared machine does not always give.
+- :func:`cpu_wait_s` measures the time a rank was ready to run but had no CPU: a pipeline
+  overlaps its stages only when each has a core, which a shared machine does not always give.
+  :func:`cores_are_free` asks that question before a timing claim is checked: every rank runs a
+  one-thread compute burst at once and reports the share of it lost waiting for a CPU.
 - :func:`unbalanced_mlp` is a model whose layers differ a lot in cost, for balancing.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,12 +49,15 @@ __all__ = [
     "PipelinedTrainer",
     "ServeResult",
     "TrainResult",
+    "cpu_wait_fraction",
+    "cpu_wait_s",
+    "cores_are_free",
+    "cpu_wait_in_burst",
     "finetune_text",
     "lm_batches",
     "lm_loss",
     "merge_states",
     "next_token_loss",
-    "parallel_cores",
     "serve_pipelined",
     "serve_reference",
     "step_times",
@@ -75,6 +81,7 @@ class TrainResult:
     state: dict[str, torch.Tensor]  # this stage's parameters after training, full-model names
     timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # each step's ops
     sent_bytes: int = 0  # activation and gradient bytes this stage sent in the last step
+    cpu_waits: list[float] = field(default_factory=list)  # per step: seconds spent without a CPU
 
     @property
     def timeline(self) -> list[pp.OpRecord]:
@@ -91,6 +98,7 @@ class ServeResult:
     latencies: list[float] | None  # seconds from a request's window start to its output
     total_s: float  # wall time for the whole stream
     timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
+    cpu_wait: float = 0.0  # seconds lost waiting for a CPU during the stream (see cpu_wait_s)
 
 
 # ---- Helpers ----------------------------------------------------------------------------------
@@ -122,6 +130,44 @@ def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: i
     return pp.split_model(layers, counts)[rank], counts
 
 
+def cpu_wait_s() -> float:
+    """Seconds this process's threads have so far spent ready to run but waiting for a CPU (the
+    run-queue delay in Linux's /proc/<pid>/task/*/schedstat); 0.0 where that is not available.
+    Other work on the machine shows up here: time a stage lost, not time it chose to wait."""
+    total = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])  # on-cpu ns, run-queue ns, time slices
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return total / 1e9
+
+
+def cpu_wait_in_burst(seconds: float = 0.3, group: dist.ProcessGroup | None = None) -> float:
+    """Every rank of ``group`` runs a one-thread matrix-multiply burst at the same time; returns
+    the largest share of the burst any rank spent ready to run but without a CPU (see
+    :func:`cpu_wait_s`). About 0.0-0.05 when each rank has a core of its own; more when other
+    work shares the cores, and then any timing of a pipeline's overlap says little."""
+    rank, size = _pipeline_group(group)
+    a = torch.randn(256, 256)
+    _barrier(group, size)
+    waited, start = cpu_wait_s(), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+    share = torch.tensor(
+        [(cpu_wait_s() - waited) / (time.perf_counter() - start)], device=rank_device()
+    )
+    if size > 1:
+        dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)
+    return share.item()
+
+
+def cores_are_free(threshold: float = 0.15, seconds: float = 0.3, group=None) -> bool:
+    """True when no rank lost more than ``threshold`` of a compute burst waiting for a CPU."""
+    return cpu_wait_in_burst(seconds, group) < threshold
+
+
 def _named_state(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s parameters and buffers, named as in ``model``'s state dict, copied to CPU."""
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -142,11 +188,20 @@ def step_times(results: Sequence[TrainResult]) -> list[float]:
     return [max(times) for times in zip(*(r.step_times for r in results), strict=True)]
 
 
+def cpu_wait_fraction(results: Sequence[TrainResult], skip: int = 1) -> float:
+    """Seconds a pipelined run's ranks spent ready to run without a CPU (summed over a rank's
+    threads; each step, the rank that waited most) per second of step time, leaving out the
+    first ``skip`` warm-up steps. Near 0 on a machine with a free core per stage; above about
+    0.1 the timings say more about the other work on the machine than about the pipeline."""
+    waits = [max(w) for w in zip(*(r.cpu_waits for r in results), strict=True)][skip:]
+    return sum(waits) / sum(step_times(results)[skip:])
+
+
 # ---- A model that an even split serves badly -------------------------------------------------
 
 
 def unbalanced_mlp(
-    widths: Sequence[int] = (4096, 4096, 64, 64, 64),
+    widths: Sequence[int] = (4096, 4096, 4096, 4096, 64, 64, 64, 64),
     dim: int = 64,
     classes: int = 10,
     seed: int = 0,
@@ -210,13 +265,14 @@ class PipelinedTrainer:
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.timelines: list[list[pp.OpRecord]] = []
+        self.cpu_waits: list[float] = []
         self.sent_bytes = 0
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> pp.StepResult:
         """One training step on one batch (every rank passes the same batch; the first stage
         uses the inputs, the last the targets), then this stage's own optimizer step."""
         _barrier(self.group, self.size)  # every stage starts the step together: honest times
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), cpu_wait_s()
         self.optimizer.zero_grad()
         stage = self.stage
         result = stage.train_step(
@@ -228,6 +284,7 @@ class PipelinedTrainer:
         )
         self.optimizer.step()  # each stage updates only what it holds: no communication
         self.step_times.append(time.perf_counter() - start)
+        self.cpu_waits.append(cpu_wait_s() - waited)
         self.losses.append(result.loss)
         self.timelines.append(result.timeline)
         self.sent_bytes = result.sent_bytes
@@ -243,6 +300,7 @@ class PipelinedTrainer:
             state=_named_state(self.model, self.module),
             timelines=list(self.timelines),
             sent_bytes=self.sent_bytes,
+            cpu_waits=list(self.cpu_waits),
         )
 
 
@@ -409,7 +467,7 @@ def serve_pipelined(
     stage = pp.PipelineStage(module, rank, size, group=group)
     outputs, latencies, timelines = [], [], []
     _barrier(group, size)
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), cpu_wait_s()
     for window in windows:
         batch = torch.cat([requests[i] for i in window]) if stage.is_first else None
         result = stage.infer(batch, microbatches=len(window))  # starts at a common t0
@@ -425,6 +483,7 @@ def serve_pipelined(
         latencies=latencies if stage.is_last else None,
         total_s=total,
         timelines=timelines,
+        cpu_wait=cpu_wait_s() - waited,
     )
 
 
@@ -440,30 +499,3 @@ def serve_reference(model: nn.Module, requests: Sequence[torch.Tensor]) -> Serve
         outputs.append(_logits(model(request)))
         latencies.append(time.perf_counter() - taken_up)
     return ServeResult(0, outputs, latencies, time.perf_counter() - start)
-
-
-# ---- Is there a core per stage? ---------------------------------------------------------------
-
-
-def parallel_cores(seconds: float = 0.2, group: dist.ProcessGroup | None = None) -> float:
-    """How many cores the ranks of ``group`` get together: a one-thread matmul burst on rank 0
-    alone, then on every rank at once; (sum of the rates together) / (rate alone). About the
-    number of ranks on an idle machine, less when other work shares the cores, and then the
-    pipeline's overlap (and any timing of it) is lost."""
-    rank, size = _pipeline_group(group)
-    a = torch.randn(256, 256)
-
-    def rate() -> float:
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ a
-            count += 1
-        return count / (time.perf_counter() - start)
-
-    _barrier(group, size)
-    alone = rate() if rank == 0 else 0.0
-    _barrier(group, size)
-    rates = torch.tensor([rate(), alone], dtype=torch.float64, device=rank_device())
-    if size > 1:
-        dist.all_reduce(rates, group=group)  # sums: (all ranks together, rank 0 alone)
-    return (rates[0] / rates[1]).item()

@@ -8,9 +8,10 @@ layers differ in cost leaves the light stages waiting. Balancing is three steps:
 1. measure each layer's cost: :func:`measure_layer_costs` (seconds of forward + backward on one
    micro-batch, median of repeats) or :func:`measure_layer_bytes` (what a stage holds per layer);
 2. choose contiguous stages that minimise the largest stage cost: :func:`linear_partition`, the
-   linear-partition dynamic program (as in torchgpipe's and fairscale's ``balance_by_time``,
-   which use a block-partition heuristic; ``torch.distributed.pipelining`` has no balancer and
-   takes the split points from the user), checked against a second, independent method,
+   linear-partition dynamic program, exact. ``torch.distributed.pipelining`` has no balancer (the
+   user names the split points); torchgpipe's and fairscale's ``balance_by_time`` and
+   ``balance_by_size`` solve this problem with a block-partition heuristic that may miss the
+   optimum. So the DP is checked against brute force and against a second, independent method,
    :func:`partition_by_bisection` (binary search on the bottleneck with a greedy feasibility test);
 3. predict what the split buys: :func:`stage_costs`, and :func:`pipeline_time` for a pipeline of
    M micro-batches.
@@ -51,10 +52,11 @@ def _layer_inputs(layers: Sequence[nn.Module], sample_input: torch.Tensor) -> li
     return inputs
 
 
-def _forward_backward(layer: nn.Module, x: torch.Tensor) -> None:
+def _forward_backward(layer: nn.Module, x: torch.Tensor, input_grad: bool = True) -> None:
     """One forward and one backward of ``layer`` alone, as a pipeline stage runs it: gradients for
-    the parameters and (unless it is token ids) the input. ``autograd.grad`` leaves ``.grad``."""
-    x = x.detach().requires_grad_(x.is_floating_point())
+    the parameters and, where ``input_grad`` (every layer but the first, whose input is the data)
+    and the input is not token ids, for the input. ``autograd.grad`` leaves ``.grad`` alone."""
+    x = x.detach().requires_grad_(input_grad and x.is_floating_point())
     out = layer(x)
     wrt = [x] if x.requires_grad else []
     wrt += [p for p in layer.parameters() if p.requires_grad]
@@ -67,7 +69,8 @@ def measure_layer_costs(
 ) -> list[float]:
     """Seconds of forward + backward of each layer on ``sample_input`` (one micro-batch), the
     median of ``repeats`` timings. Each layer gets its real input (the previous layer's output),
-    and the repeats go round the layers in turn, so a noisy moment hits every layer alike."""
+    and the repeats go round the layers in turn, so a noisy moment hits every layer alike. The
+    first layer computes no input gradient: its input is the data, as on the first stage."""
     if not layers:
         raise ValueError("need at least one layer to measure")
     if repeats < 1 or warmup < 0:
@@ -75,9 +78,9 @@ def measure_layer_costs(
     inputs = _layer_inputs(layers, sample_input)
     timings: list[list[float]] = [[] for _ in layers]
     for round_ in range(warmup + repeats):
-        for layer, x, samples in zip(layers, inputs, timings, strict=True):
+        for index, (layer, x, samples) in enumerate(zip(layers, inputs, timings, strict=True)):
             start = time.perf_counter()
-            _forward_backward(layer, x)
+            _forward_backward(layer, x, input_grad=index > 0)
             if round_ >= warmup:
                 samples.append(time.perf_counter() - start)
     return [statistics.median(samples) for samples in timings]

@@ -107,7 +107,7 @@ def _workflows(pretrained):
         for name, trainer in turns.items():
             trainer.step(*{"gpt": gpt_batches(), "mlp": mlp_batches()}[name][step % STEPS])
     out["turns"] = {name: trainer.result() for name, trainer in turns.items()}
-    out["cores"] = pw.parallel_cores(0.02)
+    out["burst"] = pw.cpu_wait_in_burst(0.05)
     return out
 
 
@@ -185,8 +185,22 @@ def test_trainers_taking_turns_equal_single_process(stages):
         assert got[-1].losses == pytest.approx(want[name].losses, abs=1e-12), name
         assert_same_state(pw.merge_states(got), want[name].state)
         assert len(pw.step_times(got)) == 5
-    cores = ranks[0]["cores"]
-    assert 0 < cores < 100 and all(r["cores"] == cores for r in ranks)  # every rank agrees
+    for rank in ranks:  # one reading per step of the time spent ready but without a CPU
+        assert len(rank["turns"]["gpt"].cpu_waits) == 5
+        assert all(w >= 0 for w in rank["turns"]["gpt"].cpu_waits)
+    assert pw.cpu_wait_fraction([r["turns"]["gpt"] for r in ranks]) >= 0
+    burst = ranks[0]["burst"]  # the largest share over the ranks: every rank gets the same
+    assert 0 <= burst < 1 and all(r["burst"] == burst for r in ranks)
+
+
+def test_cpu_wait_fraction_is_the_slowest_ranks_share_of_the_step_time():
+    def result(times, waits):
+        return pw.TrainResult(0, [1], None, times, {}, cpu_waits=waits)
+
+    ranks = [result([9.0, 1.0, 2.0], [9.0, 0.1, 0.0]), result([9.0, 0.5, 3.0], [0.0, 0.0, 0.6])]
+    # steps 1 and 2 (step 0 warms up): slowest stage 1.0 and 3.0 s, most waited 0.1 and 0.6 s
+    assert pw.cpu_wait_fraction(ranks) == pytest.approx(0.7 / 4.0)
+    assert pw.cpu_wait_s() >= 0
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])

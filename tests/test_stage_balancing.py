@@ -125,6 +125,21 @@ def test_measured_costs_cover_every_layer_and_leave_grads_alone():
         sb.measure_layer_costs(layers, x, repeats=0)
 
 
+def test_measured_costs_run_each_layer_as_its_stage_would():
+    """The first layer's input is the data: no gradient for it, as on the first stage; every
+    later layer's input is an activation whose gradient a stage must send back."""
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):
+            if torch.is_grad_enabled():  # not the no-grad pass that makes each layer's input
+                seen.append(x.requires_grad)
+            return 2 * x
+
+    sb.measure_layer_costs([Record(), Record(), Record()], torch.randn(4, 3), repeats=1, warmup=0)
+    assert seen == [False, True, True]
+
+
 class _Lambda(nn.Module):
     def __init__(self, fn, *children):
         super().__init__()
