@@ -94,6 +94,7 @@ PRECISIONS = ("fp32", "bf16", "mixed")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam")
 ATTENTIONS = ("fused", "math")
 DEVICES = ("cpu", "cuda")
+COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "transient")  # of a step
 
 # ---- What a model is ---------------------------------------------------------------------------
 
@@ -465,13 +466,7 @@ class MemoryEstimate:
 
     def components(self) -> dict[str, int]:
         """The five parts of ``total``, by name."""
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
-            "activations": self.activations,
-            "transient": self.transient,
-        }
+        return {name: getattr(self, name) for name in COMPONENTS}
 
     def fits(self, device_bytes: float) -> bool:
         """Whether the step's peak fits in ``device_bytes`` (leave room for the CUDA context)."""
@@ -705,13 +700,7 @@ class MemoryMeasurement:
 
     def components(self) -> dict[str, int]:
         """The five parts of ``total``, by name, as :meth:`MemoryEstimate.components`."""
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
-            "activations": self.activations,
-            "transient": self.transient,
-        }
+        return {name: getattr(self, name) for name in COMPONENTS}
 
 
 def _storage_bytes(tensors) -> int:
