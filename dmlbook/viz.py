@@ -14,7 +14,7 @@ from typing import Protocol
 
 import matplotlib.pyplot as plt
 
-__all__ = ["bars", "chunk_grid", "curves", "gantt"]
+__all__ = ["bars", "chunk_grid", "curves", "gantt", "stacked_bars"]
 
 
 def bars(
@@ -36,6 +36,35 @@ def bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=15)
+    return ax
+
+
+def stacked_bars(
+    parts: dict[str, dict[str, float]],
+    ylabel: str,
+    title: str = "",
+    ax: plt.Axes | None = None,
+    limit: tuple[float, str] | None = None,
+) -> plt.Axes:
+    """One bar per entry of ``parts`` (label -> {part: value}), its parts stacked in the order of
+    the first entry's parts (the legend), the total annotated on top. ``limit`` = (value, label)
+    draws a dashed line, such as a device's memory."""
+    ax = ax or plt.subplots(figsize=(7, 3.4))[1]
+    names = list(parts)
+    order = list(dict.fromkeys(part for shares in parts.values() for part in shares))
+    bottom = [0.0] * len(names)
+    for i, part in enumerate(order):
+        heights = [parts[n].get(part, 0.0) for n in names]
+        ax.bar(names, heights, bottom=bottom, label=part, color=f"C{i}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
+    if limit is not None:
+        ax.axhline(limit[0], color="r", ls="--", lw=1, label=limit[1])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=15)
+    ax.legend(fontsize=7)
     return ax
 
 

@@ -1,0 +1,35 @@
+"""Tests for dmlbook.viz: the plots draw what they are given (bar heights, stacking, totals)."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from dmlbook import viz  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_bars_draw_one_bar_per_value():
+    ax = viz.bars({"a": 1.0, "b": 3.5}, "units")
+    assert [p.get_height() for p in ax.patches] == [1.0, 3.5]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b"]
+
+
+def test_stacked_bars_stack_parts_and_annotate_totals():
+    parts = {"one": {"x": 1.0, "y": 2.0}, "two": {"y": 4.0, "z": 0.5}}
+    ax = viz.stacked_bars(parts, "MB", limit=(5.0, "device"))
+    # the parts in first-seen order x, y, z; each drawn for both bars (0 where missing)
+    heights = [(p.get_x(), p.get_y(), p.get_height()) for p in ax.patches]
+    assert [h[2] for h in heights] == [1.0, 0.0, 2.0, 4.0, 0.0, 0.5]
+    assert [h[1] for h in heights] == [0.0, 0.0, 1.0, 0.0, 3.0, 4.0]  # each part on the last
+    assert [t.get_text() for t in ax.texts] == ["3", "4.5"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["device", "x", "y", "z"]
