@@ -331,7 +331,7 @@ class _Launch:
             if procs[rank].poll() is None:
                 os.kill(procs[rank].pid, signal.SIGUSR1)
         paths = {rank: self.workdir / f"stack{rank}.txt" for rank in stuck}
-        deadline = time.monotonic() + 0.5  # one short wait for all the dumps together
+        deadline = time.monotonic() + 2.0  # one wait for all the dumps (a loaded machine is slow)
         while time.monotonic() < deadline and not all(
             p.exists() and p.stat().st_size > 0 for p in paths.values()
         ):

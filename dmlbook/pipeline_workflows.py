@@ -144,19 +144,28 @@ def cpu_wait_s() -> float:
     return total / 1e9
 
 
+def _thread_wait_s() -> float:
+    """:func:`cpu_wait_s` for the calling thread alone: a share of its wall time is at most 1."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_wait_in_burst(seconds: float = 0.3, group: dist.ProcessGroup | None = None) -> float:
     """Every rank of ``group`` runs a one-thread matrix-multiply burst at the same time; returns
-    the largest share of the burst any rank spent ready to run but without a CPU (see
-    :func:`cpu_wait_s`). About 0.0-0.05 when each rank has a core of its own; more when other
-    work shares the cores, and then any timing of a pipeline's overlap says little."""
+    the largest share of the burst (0 to 1) any rank's thread spent ready to run but without a
+    CPU (see :func:`cpu_wait_s`). About 0.0-0.05 when each rank has a core of its own; more
+    when other work shares the cores, and then any timing of a pipeline's overlap says little."""
     rank, size = _pipeline_group(group)
     a = torch.randn(256, 256)
     _barrier(group, size)
-    waited, start = cpu_wait_s(), time.perf_counter()
+    waited, start = _thread_wait_s(), time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ a
     share = torch.tensor(
-        [(cpu_wait_s() - waited) / (time.perf_counter() - start)], device=rank_device()
+        [(_thread_wait_s() - waited) / (time.perf_counter() - start)], device=rank_device()
     )
     if size > 1:
         dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)

@@ -210,9 +210,10 @@ def test_hooks_at_world_size_2_and_torch_ddp():
         assert torch.equal(ddp["bf16"], ddp["torch bf16"])
         assert not torch.equal(ddp["fp16"], ddp["fp32"])  # the hooks really ran
         assert torch.equal(ddp["fp16"], results[0]["ddp"]["fp16"])  # ranks agree
-    # 2 ranks each sent 4 MB (ring all-reduce at W=2 sends n floats per rank), plus headers
+    # 2 ranks each sent 4 MB (ring all-reduce at W=2 sends n floats per rank), plus headers and,
+    # on a loaded machine, the odd retransmitted segment (one CI run under load 10 counted 8.13 MB)
     tcp = sum(r["tcp"] for r in results)
-    assert 8e6 <= tcp < 8.1e6
+    assert 8e6 <= tcp < 8.25e6
     if results[0]["lo"] is not None:
         assert results[0]["lo"] >= 0.99 * tcp  # lo also counts IP/TCP headers and others' traffic
 
