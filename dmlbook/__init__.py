@@ -25,6 +25,12 @@ One module per technique, each naming the chapter that teaches it:
 * ``pipeline``: layer split over ranks; vanilla, GPipe and 1F1B schedules (chapters 6 and 7)
 * ``stage_balancing``: cut layers into stages by measured cost, a linear-partition DP (chapter 7)
 * ``pipeline_workflows``: pipelined training on and off, fine-tuning and serving (chapter 7)
+* ``tensor_parallel``: Megatron column- and row-parallel linears, parallel MLP and attention,
+  vocab-parallel embedding and cross-entropy, a tensor-parallel char-GPT (chapter 9)
+* ``mesh``: a DP x TP (x PP) device mesh of process groups, and 2-D training (chapter 9)
+* ``zero``: ZeRO stages 1-3 with Adam (optimizer state, gradients, parameters sharded), memory
+  measured against the paper's formulas, checked against DDP and FSDP2 (beyond the book, 9b)
+* ``federated``: FedAvg on real ranks, IID and Dirichlet splits, secure aggregation (chapter 10)
 * ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs

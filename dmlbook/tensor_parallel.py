@@ -1,0 +1,634 @@
+"""Megatron-style tensor parallelism: one layer's matrices split across the ranks (chapter 9).
+
+Chapter 9 ("Hybrid data and model parallelism") splits *inside* a layer. In ``Y = X W`` the
+weight ``W`` can be cut two ways over p ranks:
+
+* by columns (:class:`ColumnParallelLinear`): rank r holds ``W[:, r-th block]`` and computes its
+  own block of ``Y``'s columns from the whole ``X``;
+* by rows (:class:`RowParallelLinear`): rank r holds ``W[r-th block, :]`` and the matching block of
+  ``X``'s columns, and computes a *partial sum* of the whole ``Y``; an all-reduce adds them up.
+
+A column split followed by a row split needs no communication in between (an element-wise GeLU
+keeps the column blocks separate), so a transformer MLP or attention block costs exactly one
+all-reduce forward and one backward (Shoeybi et al. 2019, "Megatron-LM"). The communication is
+written as two *conjugate* autograd functions: :func:`copy_to_tensor_parallel` is the identity
+forward and an all-reduce backward (Megatron's ``f``), :func:`reduce_from_tensor_parallel` the
+reverse (``g``). :func:`gather_from_tensor_parallel` and :func:`scatter_to_tensor_parallel` are the
+pair that joins or cuts the last dimension.
+
+On top of them: :class:`ParallelMLP`, :class:`ParallelSelfAttention` (heads split across the
+ranks, causal), :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy` (the
+softmax's max and sum-exp all-reduced, the target's logit taken from the rank that owns it) and
+:class:`TensorParallelCharGPT`, the char-GPT of :mod:`dmlbook.models` with every block split.
+Each layer has a ``from_...`` constructor that cuts its shard out of an unsplit layer, which is
+how the tests and the notebook prove the split layer computes the same thing.
+
+All communication goes through chapter 2's :mod:`dmlbook.collectives`; ``group=`` picks the
+tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
+:class:`dmlbook.mesh.DeviceMesh`). Inside ``with counting() as comms:`` every collective these
+layers run is recorded, so the notebook can count them per layer and pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from dmlbook import collectives
+from dmlbook.models import Block, CausalSelfAttention, CharGPT, FeedForward
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommRecord",
+    "ParallelBlock",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+    "TensorParallelCharGPT",
+    "VocabParallelEmbedding",
+    "communication_per_step",
+    "copy_to_tensor_parallel",
+    "counting",
+    "gather_from_tensor_parallel",
+    "padded_vocab_size",
+    "reduce_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "shard_range",
+    "vocab_parallel_cross_entropy",
+]
+
+
+# --------------------------------------------------------------------------- groups and shards
+
+
+def group_rank_size(group=None) -> tuple[int, int]:
+    """This rank's index and the number of ranks in ``group``; (0, 1) outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_range(size: int, rank: int, world_size: int, what: str = "size") -> tuple[int, int]:
+    """``[start, stop)`` of rank's contiguous block when ``size`` is cut into ``world_size``
+    equal blocks; ValueError naming both numbers when they do not divide."""
+    if size % world_size:
+        raise ValueError(
+            f"{what}={size} is not divisible by the tensor-parallel size {world_size}; "
+            "choose sizes that divide (pad the vocabulary with padded_vocab_size)"
+        )
+    block = size // world_size
+    return rank * block, (rank + 1) * block
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` >= ``vocab_size``: Megatron pads the vocabulary so
+    that it divides by the TP size; the padding ids are simply never used."""
+    if vocab_size < 1 or multiple < 1:
+        raise ValueError(f"need vocab_size >= 1 and multiple >= 1, got {vocab_size}, {multiple}")
+    return -(-vocab_size // multiple) * multiple
+
+
+# --------------------------------------------------------------------------- counting
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective a tensor-parallel layer ran: which, in which pass, on how many bytes."""
+
+    op: str  # "all_reduce" or "all_gather"
+    direction: str  # "forward" or "backward"
+    numel: int
+    nbytes: int
+    group_size: int
+
+
+_counting: list[CommRecord] | None = None
+
+
+@contextmanager
+def counting() -> Iterator[list[CommRecord]]:
+    """Record, into the yielded list, every collective the layers of this module run."""
+    global _counting
+    outer, records = _counting, []
+    _counting = records
+    try:
+        yield records
+    finally:
+        _counting = outer
+        if outer is not None:
+            outer.extend(records)
+
+
+def _note(op: str, direction: str, t: torch.Tensor, size: int) -> None:
+    if _counting is not None:
+        _counting.append(CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
+
+
+def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    _, size = group_rank_size(group)
+    t = t.contiguous().clone()
+    if size > 1:
+        _note("all_reduce", direction, t, size)
+        collectives.all_reduce(t, op=op, group=group, check=False)
+    return t
+
+
+def _all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
+    rank, size = group_rank_size(group)
+    if size == 1:
+        return t
+    t = t.contiguous()
+    _note("all_gather", direction, t, size)
+    pieces = [torch.empty_like(t) for _ in range(size)]
+    collectives.all_gather(pieces, t, group=group, check=False)
+    return torch.cat(pieces, dim=-1)
+
+
+def _my_block_last(t: torch.Tensor, group) -> torch.Tensor:
+    rank, size = group_rank_size(group)
+    start, stop = shard_range(t.shape[-1], rank, size, "last dimension")
+    return t[..., start:stop].contiguous()
+
+
+# --------------------------------------------------------------------------- conjugate operators
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; backward all-reduces the input's gradient, because
+    every rank's shard used the whole input and each contributes part of its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, "backward"), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward (add the ranks' partial sums); identity backward,
+    because every partial sum gets the whole output's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather the last dimension forward; backward keeps this rank's block of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_block_last(grad, ctx.group), None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Keep this rank's block of the last dimension forward; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_block_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.group, "backward"), None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (``f``)."""
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce (sum) forward, identity backward (``g``)."""
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate every rank's last-dimension block forward; split the gradient backward."""
+    return _GatherFromTensorParallel.apply(x, group)
+
+
+def scatter_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Keep this rank's last-dimension block forward; all-gather the gradient backward."""
+    return _ScatterToTensorParallel.apply(x, group)
+
+
+# --------------------------------------------------------------------------- linear layers
+
+
+def _init_uniform(t: torch.Tensor, fan_in: int) -> None:
+    """nn.Linear's default distribution, with the *unsplit* layer's fan-in."""
+    bound = 1 / math.sqrt(fan_in)
+    nn.init.uniform_(t, -bound, bound)
+
+
+def _blocks(size: int, parts: int, rank: int, world: int, what: str) -> torch.Tensor:
+    """Indices of rank's block of each of ``parts`` equal parts of ``size`` (a fused q|k|v weight
+    is cut per part, so each rank gets its q, its k and its v)."""
+    if size % parts:
+        raise ValueError(f"{what}={size} is not divisible into {parts} fused parts")
+    part = size // parts
+    start, stop = shard_range(part, rank, world, f"{what} / {parts}" if parts > 1 else what)
+    return torch.cat([torch.arange(i * part + start, i * part + stop) for i in range(parts)])
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows (Y's columns) split across the ranks of ``group``.
+
+    Each rank holds ``out_features / p`` rows of the weight and bias. The input is the whole
+    ``x`` on every rank (``f`` before: its gradient is all-reduced backward). The output is this
+    rank's block of columns, or the whole ``y`` with ``gather_output=True`` (one all-gather).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        group=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = group_rank_size(group)
+        start, stop = shard_range(out_features, rank, world, "out_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.group = gather_output, group
+        self.out_range = (start, stop)
+        self.weight = nn.Parameter(torch.empty(stop - start, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(stop - start, dtype=dtype)) if bias else None
+        _init_uniform(self.weight.data, in_features)
+        if self.bias is not None:
+            _init_uniform(self.bias.data, in_features)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, gather_output: bool = False, group=None, parts: int = 1
+    ) -> ColumnParallelLinear:
+        """This rank's shard of an unsplit ``linear``; ``parts=3`` for a fused q|k|v weight
+        (each rank takes its block of each part; the output then stays split)."""
+        if parts > 1 and gather_output:
+            raise ValueError("gather_output=True would interleave a fused weight's parts")
+        rank, world = group_rank_size(group)
+        rows = _blocks(linear.out_features, parts, rank, world, "out_features")
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            gather_output,
+            group,
+            linear.weight.dtype,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        if parts > 1:
+            layer.out_range = None  # not one contiguous range: a block of each part
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel(x, self.group)  # (..., in) on every rank
+        y = F.linear(x, self.weight, self.bias)  # (..., out / p): this rank's columns
+        return gather_from_tensor_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        mine = f"{self.out_range[0]}:{self.out_range[1]}" if self.out_range else "fused blocks"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(this rank: {mine}), gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns (the rows of W in Y = X W) split across ranks.
+
+    Each rank holds ``in_features / p`` columns of the weight and multiplies its block of the
+    input's last dimension (``input_is_parallel=True``: the output of a ColumnParallelLinear;
+    otherwise the whole input is cut here). The partial products are summed by one all-reduce
+    (``g``); the bias, whole on every rank, is added once after the sum.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        group=None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = group_rank_size(group)
+        start, stop = shard_range(in_features, rank, world, "in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.group = input_is_parallel, group
+        self.in_range = (start, stop)
+        self.weight = nn.Parameter(torch.empty(out_features, stop - start, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        _init_uniform(self.weight.data, in_features)
+        if self.bias is not None:
+            _init_uniform(self.bias.data, in_features)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, input_is_parallel: bool = True, group=None
+    ) -> RowParallelLinear:
+        """This rank's shard of an unsplit ``linear``."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            input_is_parallel,
+            group,
+            linear.weight.dtype,
+        )
+        start, stop = layer.in_range
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, start:stop])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group)  # (..., in / p)
+        partial = F.linear(x, self.weight)  # (..., out): this rank's share of the sum
+        y = reduce_from_tensor_parallel(partial, self.group)  # (..., out): the whole product
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (this rank: {self.in_range[0]}:{self.in_range[1]}), "
+            f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
+        )
+
+
+# --------------------------------------------------------------------------- MLP and attention
+
+
+class ParallelMLP(nn.Module):
+    """The transformer MLP, column then row: GeLU(x A) B with A split by columns and B by rows.
+
+    One all-reduce forward (after B) and one backward (before A), nothing in between.
+    Parameter names match :class:`dmlbook.models.FeedForward` (``c_fc``, ``c_proj``).
+    """
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool = True, group=None, dtype=None) -> None:
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, group=group, dtype=dtype)
+        self.gelu = nn.GELU()
+        self.c_proj = RowParallelLinear(hidden, n_embd, bias, group=group, dtype=dtype)
+
+    @classmethod
+    def from_feedforward(cls, mlp: FeedForward, group=None) -> ParallelMLP:
+        """This rank's shard of an unsplit :class:`~dmlbook.models.FeedForward` (or any module
+        with linears ``c_fc`` and ``c_proj``)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group=group)
+        layer.gelu = nn.GELU()
+        layer.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group=group)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (..., C) -> (..., H / p) -> (..., C)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal multi-head self-attention with the heads split across the ranks.
+
+    ``c_attn`` is column-parallel, cut so that each rank gets the q, k and v of its
+    ``n_head / p`` heads; attention runs on those heads alone; ``c_proj`` is row-parallel over the
+    same heads. One all-reduce forward, one backward, as in the MLP.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True, group=None, dtype=None) -> None:
+        super().__init__()
+        rank, world = group_rank_size(group)
+        shard_range(n_head, rank, world, "n_head")  # heads must divide, not just channels
+        if n_embd % n_head:
+            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+        self.head_size, self.n_head, self.group = n_embd // n_head, n_head, group
+        self.c_attn = ColumnParallelLinear(n_embd, 3 * n_embd, bias, group=group, dtype=dtype)
+        self.c_proj = RowParallelLinear(n_embd, n_embd, bias, group=group, dtype=dtype)
+        # A fresh layer's c_attn rows are this rank's q|k|v heads by convention (from_attention
+        # cuts an unsplit layer the same way).
+
+    @classmethod
+    def from_attention(
+        cls, attn: CausalSelfAttention, n_head: int, group=None
+    ) -> ParallelSelfAttention:
+        """This rank's heads of an unsplit :class:`~dmlbook.models.CausalSelfAttention`."""
+        n_embd = attn.c_proj.in_features
+        rank, world = group_rank_size(group)
+        shard_range(n_head, rank, world, "n_head")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.head_size, layer.n_head, layer.group = n_embd // n_head, n_head, group
+        layer.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group=group, parts=3)
+        layer.c_proj = RowParallelLinear.from_linear(attn.c_proj, group=group)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 x (B, T, C / p): this rank's heads
+        q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh / p, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C / p)
+        return self.c_proj(y)  # (B, T, C), summed over the ranks' heads
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table whose rows (token ids) are split across the ranks.
+
+    Each rank looks up the ids it owns and writes zeros for the others; one all-reduce adds the
+    ranks' rows, so every rank ends with every token's vector.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, dtype=None) -> None:
+        super().__init__()
+        rank, world = group_rank_size(group)
+        self.vocab_range = shard_range(num_embeddings, rank, world, "num_embeddings")
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        rows = self.vocab_range[1] - self.vocab_range[0]
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype))
+        nn.init.normal_(self.weight)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group=None) -> VocabParallelEmbedding:
+        """This rank's rows of an unsplit ``nn.Embedding``."""
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, group, embedding.weight.dtype
+        )
+        start, stop = layer.vocab_range
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[start:stop])
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        start, stop = self.vocab_range
+        foreign = (idx < start) | (idx >= stop)  # ids another rank owns
+        local = (idx - start).masked_fill(foreign, 0)
+        rows = F.embedding(local, self.weight)  # (..., D)
+        rows = rows.masked_fill(foreign.unsqueeze(-1), 0.0)  # no gradient to row 0 either
+        return reduce_from_tensor_parallel(rows, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start):
+        # logits: (N, V / p), this rank's columns; target: (N,) global ids.
+        local_max = logits.max(dim=-1).values
+        global_max = _all_reduce(local_max, group, "forward", dist.ReduceOp.MAX)
+        shifted = logits - global_max.unsqueeze(-1)  # the same shift on every rank
+        exp = shifted.exp()
+        vocab = logits.shape[-1]
+        mine = (target >= vocab_start) & (target < vocab_start + vocab)
+        local_target = (target - vocab_start).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        # One all-reduce adds both the sums of exp and the target's logit (only its owner has a
+        # non-zero one); Megatron runs these two as separate all-reduces.
+        both = torch.stack([exp.sum(dim=-1), picked.masked_fill(~mine, 0.0)])  # (2, N)
+        sum_exp, target_logit = _all_reduce(both, group, "forward")
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, mine)
+        return sum_exp.log() - target_logit  # (N,): each token's loss, on every rank
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()  # d loss / d logit = softmax - one_hot(target)
+        rows = torch.arange(len(local_target))
+        grad_logits[rows, local_target] -= mine.to(softmax.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group=None, reduction: str = "mean"
+) -> torch.Tensor:
+    """Cross-entropy over a vocabulary whose logits are split by columns across ``group``.
+
+    ``logits`` ``(..., V / p)`` is this rank's block; ``target`` holds global token ids. No rank
+    ever holds all V logits: an all-reduce of one number per token (the max) and one of two (the
+    sum of exp and the target's logit) give every rank the loss. ``reduction`` is "mean", "sum"
+    or "none"."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on the "
+            "leading dimensions"
+        )
+    rank, _ = group_rank_size(group)
+    vocab_start = rank * logits.shape[-1]
+    losses = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, vocab_start
+    ).view(target.shape)
+    if reduction == "mean":
+        return losses.mean()
+    return losses.sum() if reduction == "sum" else losses
+
+
+# --------------------------------------------------------------------------- the char-GPT
+
+
+class ParallelBlock(nn.Module):
+    """A pre-LayerNorm transformer block with attention and MLP tensor-parallel; the LayerNorms
+    are replicated (every rank sees the whole residual stream)."""
+
+    def __init__(self, block: Block, n_head: int, group=None) -> None:
+        super().__init__()
+        self.ln_1 = _copy_module(block.ln_1)
+        self.attn = ParallelSelfAttention.from_attention(block.attn, n_head, group)
+        self.ln_2 = _copy_module(block.ln_2)
+        self.mlp = ParallelMLP.from_feedforward(block.mlp, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _copy_module(module: nn.Module) -> nn.Module:
+    """A replicated layer: every TP rank keeps its own whole copy."""
+    return copy.deepcopy(module)
+
+
+class TensorParallelCharGPT(nn.Module):
+    """This rank's shard of a :class:`~dmlbook.models.CharGPT`, split over ``group``.
+
+    The token embedding is vocab-parallel, each block is a :class:`ParallelBlock`, ``lm_head`` is
+    column-parallel and the loss is :func:`vocab_parallel_cross_entropy`, so the logits are never
+    gathered. Position embeddings and LayerNorms are replicated. The vocabulary, ``n_head`` and
+    ``4 * n_embd`` must divide by the TP size (pad the vocabulary with :func:`padded_vocab_size`).
+    Dropout is not supported (the tests compare bit for bit with a deterministic model).
+    """
+
+    def __init__(self, model: CharGPT, group=None) -> None:
+        super().__init__()
+        config = model.config
+        if config.dropout:
+            raise ValueError(f"TensorParallelCharGPT needs dropout=0.0, got {config.dropout}")
+        self.config, self.group = config, group
+        self.wte = VocabParallelEmbedding.from_embedding(model.wte, group)
+        self.wpe = _copy_module(model.wpe)
+        self.blocks = nn.ModuleList(ParallelBlock(b, config.n_head, group) for b in model.blocks)
+        self.ln_f = _copy_module(model.ln_f)
+        self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group=group)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits block (B, T, V / p), mean loss or None)``, as CharGPT returns whole logits."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V / p)
+        if targets is None:
+            return logits, None
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.group)
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def communication_per_step(
+    n_layer: int, batch: int, seq: int, n_embd: int, tp: int, element_size: int = 4
+) -> dict[str, float]:
+    """All-reduces and bytes each rank sends per training step for the ``n_layer`` transformer
+    blocks of a Megatron model: 2 all-reduces of ``batch x seq x n_embd`` forward per block
+    (attention, MLP) and 2 backward; a ring all-reduce sends 2 (p - 1) / p of the tensor."""
+    if tp < 1 or n_layer < 0:
+        raise ValueError(f"need tp >= 1 and n_layer >= 0, got tp={tp}, n_layer={n_layer}")
+    count = 4 * n_layer if tp > 1 else 0
+    nbytes = batch * seq * n_embd * element_size
+    return {
+        "all_reduces": count,
+        "bytes_sent_per_rank": count * 2 * (tp - 1) / tp * nbytes,
+    }

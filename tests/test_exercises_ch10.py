@@ -1,0 +1,249 @@
+"""Chapter 10's exercise checkers: right answers pass; planted bugs (plain mean, no division by
+the total, dividing by the number of clients, averaging in place; one sign for every pair, no
+modulo, masking against every client, a zero mask, the same mask every round, masks not built
+from the pair seeds; a split that ignores alpha, inverts it, drops or repeats samples, ignores the
+seed or accepts alpha <= 0) are caught with a message that says so."""
+
+import numpy as np
+import pytest
+import torch
+
+from dmlbook import federated as fl
+from dmlbook.exercises import ExerciseFailed, ch10
+
+
+def unanswered(*args):
+    raise NotImplementedError
+
+
+# ---- 1. weighted FedAvg ----------------------------------------------------------------------
+
+
+def weighted_average(states, counts):
+    total = sum(counts)
+    return {
+        k: sum(n / total * s[k] for n, s in zip(counts, states, strict=True)) for k in states[0]
+    }
+
+
+def weighted_average_stacked(states, counts):
+    w = torch.tensor(counts, dtype=torch.float64) / sum(counts)
+    return {
+        k: torch.einsum("c,c...->...", w, torch.stack([s[k].double() for s in states])).float()
+        for k in states[0]
+    }
+
+
+def plain_mean(states, counts):
+    return {k: sum(s[k] for s in states) / len(states) for k in states[0]}
+
+
+def not_normalised(states, counts):
+    return {k: sum(n * s[k] for n, s in zip(counts, states, strict=True)) for k in states[0]}
+
+
+def divided_by_clients(states, counts):
+    return {
+        k: sum(n * s[k] for n, s in zip(counts, states, strict=True)) / len(counts)
+        for k in states[0]
+    }
+
+
+def in_place(states, counts):
+    total = sum(counts)
+    out = states[0]
+    for k in out:
+        out[k].mul_(counts[0] / total)
+        for n, s in zip(counts[1:], states[1:], strict=True):
+            out[k].add_(n / total * s[k])
+    return out
+
+
+def test_weighted_average_passes_right_answers():
+    assert ch10.check_weighted_average(weighted_average).status == "passed"
+    assert ch10.check_weighted_average(weighted_average_stacked).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (plain_mean, "plain mean"),
+        (not_normalised, "without dividing by the total"),
+        (divided_by_clients, r"n_k / C"),
+        (in_place, "in place"),
+    ],
+)
+def test_weighted_average_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch10.check_weighted_average(answer)
+
+
+# ---- 2. pairwise masks -----------------------------------------------------------------------
+
+
+def client_mask(client, participants, seed_of, round_index, numel):
+    mask = torch.zeros(numel, dtype=torch.int64)
+    for peer in participants:
+        if peer != client:
+            m = fl.pair_mask(seed_of(client, peer), round_index, numel)
+            mask = (mask + m if client < peer else mask - m) % fl.MODULUS
+    return mask
+
+
+def client_mask_reversed_convention(client, participants, seed_of, round_index, numel):
+    return (-client_mask(client, participants, seed_of, round_index, numel)) % fl.MODULUS
+
+
+def client_mask_via_package(client, participants, seed_of, round_index, numel):
+    seeds = {p: seed_of(client, p) for p in participants}
+    zero = torch.zeros(numel, dtype=torch.int64)
+    return fl.mask_update(zero, client, participants, seeds, round_index)
+
+
+def one_sign(client, participants, seed_of, round_index, numel):
+    mask = torch.zeros(numel, dtype=torch.int64)
+    for peer in participants:
+        if peer != client:
+            mask = (mask + fl.pair_mask(seed_of(client, peer), round_index, numel)) % fl.MODULUS
+    return mask
+
+
+def no_modulo(client, participants, seed_of, round_index, numel):
+    mask = torch.zeros(numel, dtype=torch.int64)
+    for peer in participants:
+        if peer != client:
+            m = fl.pair_mask(seed_of(client, peer), round_index, numel)
+            mask = mask + m if client < peer else mask - m
+    return mask
+
+
+def every_client(client, participants, seed_of, round_index, numel):
+    return client_mask(client, range(max(participants) + 1), seed_of, round_index, numel)
+
+
+def zero_mask(client, participants, seed_of, round_index, numel):
+    return torch.zeros(numel, dtype=torch.int64)
+
+
+def same_every_round(client, participants, seed_of, round_index, numel):
+    return client_mask(client, participants, seed_of, 0, numel)
+
+
+def not_from_pair_seeds(client, participants, seed_of, round_index, numel):
+    made_up = lambda i, j: 7 * min(i, j) + max(i, j)  # noqa: E731
+    return client_mask(client, participants, made_up, round_index, numel)
+
+
+def test_client_mask_passes_right_answers():
+    assert ch10.check_client_mask(client_mask).status == "passed"
+    assert ch10.check_client_mask(client_mask_reversed_convention).status == "passed"
+    assert ch10.check_client_mask(client_mask_via_package).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (one_sign, "do not cancel"),
+        (no_modulo, r"% MODULUS"),
+        (every_client, "over the participants only"),
+        (zero_mask, "does not look random"),
+        (same_every_round, "Pass round_index"),
+        (not_from_pair_seeds, "pair seeds"),
+    ],
+)
+def test_client_mask_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch10.check_client_mask(answer)
+
+
+# ---- 3. Dirichlet split ----------------------------------------------------------------------
+
+
+def dirichlet_split(labels, num_clients, alpha, seed):
+    if alpha <= 0:
+        raise ValueError("alpha must be > 0")
+    rng = np.random.default_rng(seed)
+    y = np.asarray(labels)
+    parts = [[] for _ in range(num_clients)]
+    for cls in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == cls))
+        shares = rng.dirichlet([alpha] * num_clients)
+        cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
+        for client, chunk in enumerate(np.split(members, cuts)):
+            parts[client].extend(chunk.tolist())
+    return parts
+
+
+def iid_ignoring_alpha(labels, num_clients, alpha, seed):
+    if alpha <= 0:
+        raise ValueError("alpha must be > 0")
+    return fl.iid_split(len(labels), num_clients, seed)
+
+
+def alpha_inverted(labels, num_clients, alpha, seed):
+    return dirichlet_split(labels, num_clients, 1 / alpha if alpha > 0 else alpha, seed)
+
+
+def drops_remainders(labels, num_clients, alpha, seed):
+    if alpha <= 0:
+        raise ValueError("alpha must be > 0")
+    rng = np.random.default_rng(seed)
+    y = np.asarray(labels)
+    parts = [[] for _ in range(num_clients)]
+    for cls in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == cls))
+        start = 0
+        for client, share in enumerate(rng.dirichlet([alpha] * num_clients)):
+            take = int(share * len(members))  # floors: the last few of each class are lost
+            parts[client].extend(members[start : start + take].tolist())
+            start += take
+    return parts
+
+
+def with_replacement(labels, num_clients, alpha, seed):
+    if alpha <= 0:
+        raise ValueError("alpha must be > 0")
+    rng = np.random.default_rng(seed)
+    y = np.asarray(labels)
+    parts = [[] for _ in range(num_clients)]
+    for cls in np.unique(y):
+        members = np.flatnonzero(y == cls)
+        counts = rng.multinomial(len(members), rng.dirichlet([alpha] * num_clients))
+        for client, count in enumerate(counts):
+            parts[client].extend(rng.choice(members, count).tolist())
+    return parts
+
+
+def unseeded(labels, num_clients, alpha, seed):
+    return dirichlet_split(labels, num_clients, alpha, None)
+
+
+def no_value_error(labels, num_clients, alpha, seed):
+    return dirichlet_split(labels, num_clients, max(alpha, 1e-3), seed)
+
+
+def test_dirichlet_split_passes_right_answers():
+    assert ch10.check_dirichlet_split(dirichlet_split).status == "passed"
+    assert ch10.check_dirichlet_split(fl.dirichlet_split).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (iid_ignoring_alpha, "expected below 0.15"),
+        (alpha_inverted, "alpha inverted"),
+        (drops_remainders, "are missing"),
+        (with_replacement, "repeated"),
+        (unseeded, "same seed"),
+        (no_value_error, "raise ValueError"),
+    ],
+)
+def test_dirichlet_split_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch10.check_dirichlet_split(answer)
+
+
+def test_unanswered_exercises_are_not_attempted():
+    assert ch10.check_weighted_average(unanswered).status == "not attempted"
+    assert ch10.check_client_mask(unanswered).status == "not attempted"
+    assert ch10.check_dirichlet_split(unanswered).status == "not attempted"

@@ -1,0 +1,166 @@
+"""Tests for dmlbook.mesh: the group layout of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes; on real ranks
+the groups hold the ranks the layout says (and the ranks torch's init_device_mesh puts together),
+a TP all-reduce adds exactly its row; DP x TP training of the char-GPT at 2x2 on 4 ranks, 1x3
+and 3x1 on 3 ranks equals single-process training (losses and every parameter, float64); a mesh
+that does not match the world raises ValueError on every rank."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import test_tensor_parallel  # a sibling test module: pytest puts tests/ on sys.path
+import torch
+import torch.distributed as dist
+
+from dmlbook import mesh as mesh_lib
+from dmlbook.launch import run
+from dmlbook.models import char_gpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, SEQ, BATCH, STEPS = 12, 6, 6, 2
+TOL = 1e-10
+
+
+def make_gpt():
+    return char_gpt(VOCAB, seed=0, n_layer=1, n_head=6, n_embd=12, block_size=SEQ).double()
+
+
+def batches():
+    """The same batch every step, so that the loss must fall."""
+    g = torch.Generator().manual_seed(1)
+    batch = tuple(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    return [batch] * STEPS
+
+
+@functools.cache
+def reference():
+    return mesh_lib.train_reference(make_gpt, batches(), lr=1e-2)
+
+
+def test_layout_of_a_2x2_mesh():
+    assert mesh_lib.mesh_groups((2, 2)) == {"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}
+
+
+def test_layout_of_thin_and_3d_meshes():
+    assert mesh_lib.mesh_groups((3, 1)) == {"dp": [[0, 1, 2]], "tp": [[0], [1], [2]]}
+    assert mesh_lib.mesh_groups((1, 3)) == {"dp": [[0], [1], [2]], "tp": [[0, 1, 2]]}
+    assert mesh_lib.mesh_groups((2, 3))["tp"] == [[0, 1, 2], [3, 4, 5]]
+    assert mesh_lib.mesh_groups((2, 3))["dp"] == [[0, 3], [1, 4], [2, 5]]
+    groups = mesh_lib.mesh_groups((2, 2, 2), ("pp", "dp", "tp"))
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for layout in groups.values():  # each dimension's groups partition the ranks
+        assert sorted(r for g in layout for r in g) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "shape, names, match",
+    [
+        ((2, 0), ("dp", "tp"), ">= 1"),
+        ((2,), ("dp", "tp"), "dimensions"),
+        ((2, 2), ("dp", "dp"), "differ"),
+    ],
+)
+def test_bad_layouts_raise(shape, names, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.mesh_groups(shape, names)
+
+
+def _on_mesh(shapes, reference_result):
+    """Every rank: for each mesh shape, membership, a TP all-reduce and 2-D training."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    rank = dist.get_rank()
+    try:
+        mesh_lib.DeviceMesh((5, 1))
+    except ValueError as error:
+        out["bad_world"] = str(error)
+    for shape in shapes:
+        mesh = mesh_lib.DeviceMesh(shape, ("dp", "tp"))
+        torch_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        found = {}
+        for name in ("dp", "tp"):
+            found[name] = (
+                dist.get_process_group_ranks(mesh.group(name)),
+                mesh.ranks(name),
+                dist.get_process_group_ranks(torch_mesh.get_group(name)),
+                torch_mesh.get_local_rank(name),
+                mesh.local_rank(name),
+            )
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=mesh.group("tp"))
+        trained = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
+        expected = mesh_lib.shard_of(reference_result.model, mesh)
+        param_error = max(
+            (a - b).abs().max().item()
+            for a, b in zip(trained.model.parameters(), expected.parameters(), strict=True)
+        )
+        out[shape] = {
+            "groups": found,
+            "coordinate": mesh.coordinate,
+            "coordinates": [mesh.coordinate_of(q) for q in range(dist.get_world_size())],
+            "tp_sum": total.item(),
+            "losses": trained.losses,
+            "param_error": param_error,
+        }
+    return out
+
+
+def _on_ranks(shapes, reference_result):
+    """One launch serves both test modules: the tensor-parallel layer checks, then the mesh."""
+    return {"layers": test_tensor_parallel._layer_checks(), **_on_mesh(shapes, reference_result)}
+
+
+CASES = [(4, ((2, 2),)), (3, ((1, 3), (3, 1)))]
+
+
+@functools.cache
+def results(world: int) -> list[dict]:
+    return run(_on_ranks, world, dict(CASES)[world], reference(), timeout=120)
+
+
+@pytest.mark.parametrize("world, shapes", CASES)
+def test_groups_on_real_ranks_match_the_layout_and_torch(world, shapes):
+    for rank, by_shape in enumerate(results(world)):
+        for shape in shapes:
+            r = by_shape[shape]
+            for name, (actual, ours, torchs, torch_local, local) in r["groups"].items():
+                assert actual == ours == torchs, (shape, name, actual, ours, torchs)
+                assert rank in actual and local == torch_local == actual.index(rank)
+            assert r["coordinate"] == {"dp": rank // shape[1], "tp": rank % shape[1]}
+            assert r["coordinates"] == [
+                {"dp": q // shape[1], "tp": q % shape[1]} for q in range(world)
+            ]
+            assert r["tp_sum"] == sum(r["groups"]["tp"][0])
+
+
+@pytest.mark.parametrize("world, shapes", CASES)
+def test_hybrid_training_equals_single_process(world, shapes):
+    ref = reference()
+    for by_shape in results(world):
+        for shape in shapes:
+            r = by_shape[shape]
+            assert max(abs(a - b) for a, b in zip(r["losses"], ref.losses, strict=True)) <= TOL
+            assert r["param_error"] <= TOL, (shape, r["param_error"])
+    assert ref.losses[-1] < ref.losses[0]  # it did learn something
+
+
+@pytest.mark.parametrize("world, shapes", CASES)
+def test_a_mesh_that_does_not_match_the_world_raises_on_every_rank(world, shapes):
+    for r in results(world):
+        assert "(5, 1)" in r["bad_world"] and f"world has {world}" in r["bad_world"]
+
+
+def test_single_rank_mesh_without_process_group():
+    mesh = mesh_lib.DeviceMesh((1, 1))
+    assert mesh.coordinate == {"dp": 0, "tp": 0} and mesh.group("tp") is None
+    result = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
+    assert result.losses == pytest.approx(reference().losses, abs=TOL)
+    with pytest.raises(ValueError, match="no mesh dimension 'pp'"):
+        mesh.size("pp")
+    with pytest.raises(ValueError, match="rank 1 is not on a mesh of 1"):
+        mesh.coordinate_of(1)
