@@ -31,6 +31,10 @@ One module per technique, each naming the chapter that teaches it:
 * ``zero``: ZeRO stages 1-3 with Adam (optimizer state, gradients, parameters sharded), memory
   measured against the paper's formulas, checked against DDP and FSDP2 (beyond the book, 9b)
 * ``federated``: FedAvg on real ranks, IID and Dirichlet splits, secure aggregation (chapter 10)
+* ``elastic``: elastic data-parallel training under torchrun's agent (kill, restart, resume,
+  re-partition, rescale), an adaptive parameter server and an autoscaled serving pool (chapter 11)
+* ``profiling``: torch.profiler traces of data-parallel steps, compute/communication breakdown
+  and overlap, job multiplexing and migration, heterogeneous workers (chapter 12)
 * ``netlab``: several hosts on one machine (network namespaces, shaped links) for torchrun
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs

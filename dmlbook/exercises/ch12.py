@@ -1,0 +1,216 @@
+"""Checkers for chapter 12's exercises ("Advanced techniques for further speed-ups").
+
+1. ``check_proportional_batches``: write ``split(speeds, global_batch) -> batches``, one batch
+   size per rank, in proportion to the ranks' speeds (samples per second): each within one sample
+   of ``global_batch * speed / sum(speeds)``, at least one each, summing exactly to
+   ``global_batch``; ValueError for a speed <= 0 or fewer samples than ranks.
+2. ``check_overlap``: write ``overlap(a, b) -> seconds``, the total time covered by both interval
+   lists ``a`` and ``b`` (each a list of (start, end); intervals within one list may overlap each
+   other, as nested profiler events do), each moment counted once: the time an all-reduce was
+   hidden behind backward.
+3. ``check_loss_scale``: write ``loss_scale(batches, rank) -> float``, what rank ``rank``
+   multiplies its *mean* loss by so that the gradients summed over the ranks equal the gradient
+   of the mean loss over the union batch, whatever the (unequal) batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dmlbook import profiling
+from dmlbook.exercises import ExerciseFailed, checker, learner_code
+
+__all__ = ["check_loss_scale", "check_overlap", "check_proportional_batches"]
+
+
+# --------------------------------------------------------------------------- 1. batch split
+
+
+def _split_cases() -> list[tuple[list[float], int]]:
+    rng = random.Random(12)
+    cases = [
+        ([1.0, 1.0], 10),
+        ([3.0, 1.0], 8),
+        ([1.0, 1.0, 1.0], 10),  # 10 / 3 each: someone rounds up, and only one
+        ([1.0, 2.0, 2.0], 11),
+        ([0.7, 0.2, 0.1], 10),
+        ([5.0, 4.0, 3.0, 2.0], 100),
+        ([120.5, 40.25, 300.0], 64),
+        ([1000.0, 1.0], 4),  # the slow rank's share rounds to 0: it still needs one sample
+        ([2.0], 7),  # one rank takes everything
+    ]
+    for n in (3, 4, 5):
+        speeds = [round(rng.uniform(0.5, 9.0), 3) for _ in range(n)]
+        cases.append((speeds, rng.randint(4 * n, 200)))
+    return cases
+
+
+def _split_hint(got: list[int], speeds: Sequence[float], batch: int) -> str:
+    inverse = [batch * (1 / s) / sum(1 / v for v in speeds) for s in speeds]
+    if len(set(speeds)) > 1 and all(abs(g - e) < 1 for g, e in zip(got, inverse, strict=True)):
+        return ": that follows the time per sample; the FASTER rank should take MORE samples"
+    if len(set(got)) == 1 and len(set(speeds)) > 1:
+        return ": an equal split makes everyone wait for the slowest rank"
+    if sum(got) != batch:
+        return (
+            f": they sum to {sum(got)}, not {batch}. Rounding each share on its own (down or to "
+            "the nearest) does not keep the sum; round down, then give the samples left to the "
+            "largest remainders"
+        )
+    return ""
+
+
+@checker("proportional_batches")
+def check_proportional_batches(fn: Callable[[list[float], int], list[int]]) -> str:
+    """Check ``fn(speeds, global_batch)``: one batch per rank, each >= 1 and within one sample of
+    its proportional share, summing to ``global_batch``; ValueError on bad input."""
+    cases = _split_cases()
+    for speeds, batch in cases:
+        call = f"your split({speeds}, {batch})"
+        with learner_code(call):
+            got = [int(b) for b in fn(list(speeds), batch)]
+        shares = [batch * s / sum(speeds) for s in speeds]
+        if len(got) != len(speeds):
+            raise ExerciseFailed(f"{call} returned {got}: one batch size per rank, {len(speeds)}")
+        if min(got) < 1:
+            raise ExerciseFailed(
+                f"{call} returned {got}: every rank needs at least one sample, since it still "
+                "joins every all-reduce (a rank with no data would have no gradient to send)"
+            )
+        # A share below 1 is raised to 1 sample, taken from the others: allow for those.
+        slack = 1 + sum(e < 1 for e in shares)
+        wrong = sum(got) != batch or any(
+            abs(g - e) >= (1 if e < 1 else slack) for g, e in zip(got, shares, strict=True)
+        )
+        if wrong:
+            want = [round(e, 2) for e in shares]
+            raise ExerciseFailed(
+                f"{call} returned {got}; the proportional shares are {want}"
+                f"{_split_hint(got, speeds, batch)}"
+            )
+    for speeds, batch, why in (([1.0, 0.0], 8, "a speed of 0"), ([1.0, 2.0, 3.0], 2, "2 < 3")):
+        try:
+            fn(list(speeds), batch)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            raise ExerciseFailed(
+                f"split({speeds}, {batch}) raised {type(error).__name__}: {error}; raise "
+                f"ValueError ({why})"
+            ) from error
+        raise ExerciseFailed(f"split({speeds}, {batch}) returned: raise ValueError ({why})")
+    return f"proportional and exact on all {len(cases)} splits, ValueError on bad input"
+
+
+# --------------------------------------------------------------------------- 2. overlap
+
+
+def _overlap_cases() -> list[tuple[list, list]]:
+    rng = random.Random(3)
+    cases = [
+        ([(0, 4), (8, 10)], [(2, 9)]),  # 2 + 1
+        ([(0, 1)], [(1, 2)]),  # touching: 0
+        ([(0, 10)], [(2, 3), (5, 6)]),
+        ([(0, 5), (1, 3)], [(2, 4)]),  # nested within a: count 2..4 once
+        ([(2, 4)], [(0, 5), (1, 3)]),  # nested within b
+        ([(5, 6), (0, 1)], [(0.5, 5.5)]),  # unsorted
+        ([], [(0, 1)]),
+        ([(0.25, 0.75)], [(0.5, 2.0), (0.6, 0.7)]),
+    ]
+    for _ in range(4):
+        lists = []
+        for _ in range(2):
+            starts = [rng.uniform(0, 20) for _ in range(rng.randint(2, 6))]
+            lists.append([(round(s, 3), round(s + rng.uniform(0.1, 4), 3)) for s in starts])
+        cases.append((lists[0], lists[1]))
+    return cases
+
+
+def _overlap_mistakes(a: list, b: list) -> dict[str, float]:
+    pairwise = sum(max(0.0, min(ea, eb) - max(sa, sb)) for sa, ea in a for sb, eb in b)
+    return {
+        "you added the overlap of every pair, so time covered twice within one list counts "
+        "twice; merge each list into disjoint intervals first": pairwise,
+        "that is the time covered by EITHER list (the union), not by both": profiling.length(a + b),
+        "that is a fraction; return the overlapping time itself": (
+            profiling.overlap_fraction(a, b) if a else -1.0
+        ),
+    }
+
+
+@checker("overlap")
+def check_overlap(fn: Callable[[list, list], float]) -> str:
+    """Check ``fn(a, b)`` is the total time covered by both interval lists, each moment once."""
+    cases = _overlap_cases()
+    for a, b in cases:
+        call = f"your overlap({a}, {b})"
+        with learner_code(call):
+            got = float(fn(list(a), list(b)))
+        want = profiling.length(profiling.intersection(a, b))
+        if abs(got - want) <= 1e-9 * max(1.0, want):
+            continue
+        hint = next(
+            (f": {why}" for why, v in _overlap_mistakes(a, b).items() if abs(got - v) <= 1e-9),
+            "",
+        )
+        raise ExerciseFailed(f"{call} returned {got:.6g}, expected {want:.6g}{hint}")
+    return f"overlap right on {len(cases)} interval pairs (nested, touching, unsorted, empty)"
+
+
+# --------------------------------------------------------------------------- 3. loss scale
+
+
+def _scale_cases() -> list[list[int]]:
+    return [[5, 19], [3, 9, 12], [1, 2, 8, 13], [8, 8], [7]]
+
+
+@checker("loss_scale")
+def check_loss_scale(fn: Callable[[list[int], int], float]) -> str:
+    """Check ``fn(batches, rank)`` makes the summed, scaled per-rank gradients equal the gradient
+    of the mean loss over the union batch, on a real linear model with random data."""
+    g = torch.Generator().manual_seed(0)
+    for batches in _scale_cases():
+        total = sum(batches)
+        x = torch.randn(total, 3, generator=g, dtype=torch.float64)
+        y = torch.randn(total, generator=g, dtype=torch.float64)
+        w = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+        want = torch.autograd.grad(((x @ w - y) ** 2).mean(), w)[0]
+        summed, start, scales = torch.zeros(3, dtype=torch.float64), 0, []
+        for rank, b in enumerate(batches):
+            with learner_code(f"your loss_scale({batches}, {rank})"):
+                scales.append(float(fn(list(batches), rank)))
+            part = slice(start, start + b)
+            mean_loss = ((x[part] @ w - y[part]) ** 2).mean()
+            summed += torch.autograd.grad(scales[-1] * mean_loss, w)[0]
+            start += b
+        if torch.allclose(summed, want, rtol=1e-12, atol=1e-12):
+            continue
+        mistakes = {
+            "1 / world size is plain averaging: with unequal batches a sample on a small "
+            "batch weighs more than one on a large batch": [1 / len(batches)] * len(batches),
+            "1 / my batch gives every rank's samples the weight of a whole batch": [
+                1 / b for b in batches
+            ],
+            "my batch / global batch * world size would suit averaged (not summed) gradients": [
+                b / total * len(batches) for b in batches
+            ],
+        }
+        hint = next(
+            (
+                f": {why}"
+                for why, v in mistakes.items()
+                if all(math.isclose(s, e, rel_tol=1e-9) for s, e in zip(scales, v, strict=True))
+            ),
+            "",
+        )
+        raise ExerciseFailed(
+            f"with batches {batches} your scales {[round(s, 4) for s in scales]} give a summed "
+            f"gradient {summed.tolist()}, not the union batch's {want.tolist()}{hint}"
+        )
+    return f"summed gradients exact for {len(_scale_cases())} batch splits (equal and unequal)"

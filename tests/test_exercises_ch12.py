@@ -1,0 +1,172 @@
+"""Chapter 12's exercise checkers: right answers pass; planted bugs (rounding each share, rounding
+down, splitting by time per sample, equal split, a rank left with nothing, no ValueError; pairwise
+overlaps that double-count, the union, a fraction; plain averaging, 1 / batch) are caught with a
+message that says so; unanswered exercises are "not attempted"."""
+
+import math
+
+import pytest
+
+from dmlbook import profiling as pr
+from dmlbook.exercises import ExerciseFailed, ch12
+
+
+def unanswered(*args):
+    raise NotImplementedError
+
+
+# ---- 1. proportional batches -------------------------------------------------------------------
+
+
+def _checked(speeds, batch):
+    if batch < len(speeds) or min(speeds) <= 0:
+        raise ValueError("bad split")
+
+
+def split(speeds, batch):
+    """Round down, then the largest remainders; lift any zero to one."""
+    _checked(speeds, batch)
+    shares = [batch * s / sum(speeds) for s in speeds]
+    out = [math.floor(e) for e in shares]
+    for r in sorted(range(len(out)), key=lambda r: out[r] - shares[r])[: batch - sum(out)]:
+        out[r] += 1
+    while 0 in out:
+        out[out.index(max(out))] -= 1
+        out[out.index(0)] = 1
+    return out
+
+
+def split_rounding_each(speeds, batch):
+    _checked(speeds, batch)
+    return [max(1, round(batch * s / sum(speeds))) for s in speeds]
+
+
+def split_rounding_down(speeds, batch):
+    _checked(speeds, batch)
+    return [max(1, math.floor(batch * s / sum(speeds))) for s in speeds]
+
+
+def split_by_time(speeds, batch):
+    return split([1 / s for s in speeds], batch)
+
+
+def split_equally(speeds, batch):
+    return pr.equal_batches(batch, len(speeds))
+
+
+def split_leaving_zero(speeds, batch):
+    _checked(speeds, batch)
+    shares = [batch * s / sum(speeds) for s in speeds]
+    out = [math.floor(e) for e in shares]
+    for r in sorted(range(len(out)), key=lambda r: out[r] - shares[r])[: batch - sum(out)]:
+        out[r] += 1
+    return out
+
+
+def split_without_valueerror(speeds, batch):
+    return split([max(s, 1e-9) for s in speeds], max(batch, len(speeds)))
+
+
+def test_proportional_batches_passes_right_answers():
+    assert ch12.check_proportional_batches(split).status == "passed"
+    assert ch12.check_proportional_batches(pr.proportional_batches).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (split_rounding_each, "Rounding each share on its own"),
+        (split_rounding_down, "Rounding each share on its own"),
+        (split_by_time, "FASTER rank should take MORE"),
+        (split_equally, "equal split"),
+        (split_leaving_zero, "at least one sample"),
+        (split_without_valueerror, "raise ValueError"),
+    ],
+)
+def test_proportional_batches_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch12.check_proportional_batches(answer)
+
+
+# ---- 2. overlap ----------------------------------------------------------------------------------
+
+
+def _merge(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap(a, b):
+    return sum(max(0.0, min(ea, eb) - max(sa, sb)) for sa, ea in _merge(a) for sb, eb in _merge(b))
+
+
+def overlap_pairwise(a, b):
+    return sum(max(0.0, min(ea, eb) - max(sa, sb)) for sa, ea in a for sb, eb in b)
+
+
+def overlap_union(a, b):
+    return sum(e - s for s, e in _merge(a + b))
+
+
+def overlap_fraction(a, b):
+    total = sum(e - s for s, e in _merge(a))
+    return overlap(a, b) / total if total else 0.0
+
+
+def overlap_same_index(a, b):
+    return sum(
+        max(0.0, min(ea, eb) - max(sa, sb)) for (sa, ea), (sb, eb) in zip(a, b, strict=False)
+    )
+
+
+def test_overlap_passes_right_answers():
+    assert ch12.check_overlap(overlap).status == "passed"
+    assert ch12.check_overlap(lambda a, b: pr.length(pr.intersection(a, b))).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (overlap_pairwise, "merge each list"),
+        (overlap_union, "EITHER list"),
+        (overlap_fraction, "a fraction"),
+        (overlap_same_index, "expected"),
+    ],
+)
+def test_overlap_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch12.check_overlap(answer)
+
+
+# ---- 3. loss scale -------------------------------------------------------------------------------
+
+
+def test_loss_scale_passes_the_right_answer():
+    assert ch12.check_loss_scale(lambda batches, rank: batches[rank] / sum(batches)).status == (
+        "passed"
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (lambda batches, rank: 1 / len(batches), "plain averaging"),
+        (lambda batches, rank: 1 / batches[rank], "weight of a whole batch"),
+        (lambda batches, rank: batches[rank] / sum(batches) * len(batches), "averaged"),
+        (lambda batches, rank: 1.0, "not the union batch"),
+    ],
+)
+def test_loss_scale_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch12.check_loss_scale(answer)
+
+
+def test_unanswered_exercises_are_not_attempted():
+    assert ch12.check_proportional_batches(unanswered).status == "not attempted"
+    assert ch12.check_overlap(unanswered).status == "not attempted"
+    assert ch12.check_loss_scale(unanswered).status == "not attempted"
