@@ -33,7 +33,7 @@ from typing import Literal
 
 from dmlbook.launch import RankError, RankTimeoutError
 
-__all__ = ["CheckResult", "ExerciseFailed", "checker", "learner_code"]
+__all__ = ["CheckResult", "ExerciseFailed", "checker", "expect_value_error", "learner_code"]
 
 Status = Literal["passed", "failed", "not attempted"]
 
@@ -105,6 +105,25 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
         return run_check
 
     return decorate
+
+
+def expect_value_error(call: str, attempt: Callable[[], object], why: str) -> None:
+    """Run ``attempt`` (the learner's function on bad input, described by ``call``): it must raise
+    ValueError. Any other error, or a return, fails the exercise with ``why``; ``raise
+    NotImplementedError`` passes through, for :func:`checker` to report "not attempted"."""
+    try:
+        attempt()
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        raise ExerciseFailed(
+            f"{call} raised {type(error).__name__}: {error}; raise ValueError: {why}"
+        ) from error
+    raise ExerciseFailed(
+        f"{call} returned instead of raising ValueError: {why}; raise ValueError there"
+    )
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from dmlbook import stage_balancing
-from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_completion_ticks", "check_linear_partition", "check_pipeline_throughput"]
 
@@ -101,22 +101,11 @@ def check_linear_partition(fn: Callable[[list[float], int], list[int]]) -> str:
                 f"{call} returned {counts}: its slowest stage costs {got:g}, but a split with "
                 f"slowest stage {want:g} exists{hint}"
             )
-    try:
-        fn([1.0, 2.0], 3)
-    except ValueError:
-        pass
-    except NotImplementedError:
-        raise
-    except Exception as error:
-        raise ExerciseFailed(
-            f"partition([1.0, 2.0], 3) raised {type(error).__name__}: {error}; raise ValueError: "
-            "3 stages cannot each get one of 2 layers"
-        ) from error
-    else:
-        raise ExerciseFailed(
-            "partition([1.0, 2.0], 3) returned instead of raising ValueError: 3 stages cannot "
-            "each get one of 2 layers"
-        )
+    expect_value_error(
+        "partition([1.0, 2.0], 3)",
+        lambda: fn([1.0, 2.0], 3),
+        "3 stages cannot each get one of 2 layers",
+    )
     return f"optimal on all {len(cases)} cost vectors (ties, zeros, stages = 1 and = layers)"
 
 

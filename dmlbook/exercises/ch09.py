@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from dmlbook import tensor_parallel
-from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_tp_communication", "check_weight_shard"]
 
@@ -81,20 +81,11 @@ def check_weight_shard(fn: Callable[[torch.Tensor, int, int, str], torch.Tensor]
                     )
                     raise ExerciseFailed(f"{call} returned\n{got}\nexpected\n{want}{hint}")
     for W, world, split in ((torch.zeros(4, 5), 2, "column"), (torch.zeros(5, 4), 2, "row")):
-        call = f"your shard(W of shape {tuple(W.shape)}, 0, {world}, {split!r})"
-        try:
-            fn(W, 0, world, split)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as error:
-            raise ExerciseFailed(
-                f"{call} raised {type(error).__name__}: {error}; raise ValueError"
-            ) from error
-        raise ExerciseFailed(
-            f"{call} returned instead of raising ValueError: the split dimension does not "
-            f"divide by {world}, so the ranks' blocks cannot be equal (Megatron pads instead)"
+        expect_value_error(
+            f"your shard(W of shape {tuple(W.shape)}, 0, {world}, {split!r})",
+            lambda W=W, world=world, split=split: fn(W, 0, world, split),
+            f"the split dimension does not divide by {world}, so the ranks' blocks cannot be "
+            "equal (Megatron pads instead)",
         )
     return (
         f"right blocks for {len(_shard_cases())} shapes x 2 splits; "

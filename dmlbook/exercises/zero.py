@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dmlbook import zero
-from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_bytes_per_rank", "check_comm_bytes", "check_shard_range"]
 
@@ -29,18 +29,7 @@ def _close(got: float, want: float) -> bool:
 
 
 def _expects_valueerror(fn: Callable, args: tuple, why: str) -> None:
-    call = f"{fn.__name__}{args}"
-    try:
-        fn(*args)
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as error:
-        raise ExerciseFailed(
-            f"{call} raised {type(error).__name__}: {error}; raise ValueError: {why}"
-        ) from error
-    raise ExerciseFailed(f"{call} returned instead of raising ValueError: {why}")
+    expect_value_error(f"{fn.__name__}{args}", lambda: fn(*args), why)
 
 
 # --------------------------------------------------------------------------- 1. bytes per rank
