@@ -229,9 +229,9 @@ def test_rank_that_returned_cannot_hang_the_caller(tmp_path):
 
 def test_caller_interrupt_kills_ranks(tmp_path):
     # Ctrl-C / a notebook's stop button: the ranks must go with the interrupted call. The timer
-    # runs Python's SIGINT handler in the main thread, as a Ctrl-C does. In the full suite some
-    # earlier test leaves SIGINT ignored in this process (3 of 5 full CI runs here, never when
-    # run alone), so the test installs Python's own handler, as a terminal or kernel has it.
+    # runs Python's SIGINT handler in the main thread, as a Ctrl-C does. A suite started in the
+    # background by a non-interactive shell (`.ci/run &`) inherits SIGINT ignored, and Python
+    # then installs no handler; so the test installs Python's own, as a terminal or kernel has.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(5.0, lambda: _thread.interrupt_main(signal.SIGINT))
     timer.start()
