@@ -57,6 +57,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from dmlbook import collectives as ch2
+from dmlbook.serving.offload import adam_update_
 
 __all__ = [
     "STAGES",
@@ -64,7 +65,6 @@ __all__ = [
     "MemoryMeter",
     "PARTS",
     "ZeroDataParallel",
-    "adam_step",
     "comm_bytes_per_step",
     "ddp_train",
     "expected_bytes",
@@ -96,29 +96,9 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- Adam on a shard
 
 
-def adam_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-) -> None:
-    """One Adam update of ``param`` in place (the formula of ``torch.optim.Adam``, step >= 1).
-
-    Elementwise: any slice of the parameters can be stepped on its own, which is what lets each
-    ZeRO rank step only its shard and still match an optimizer that sees everything."""
-    beta1, beta2 = betas
-    if weight_decay:
-        grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)  # first moment: running mean of the gradient
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # second: of its square
-    step_size = lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+# One Adam update, in place and elementwise: chapter 8's ``adam_update_`` (the same order of
+# operations as torch.optim.Adam). Elementwise is what lets each ZeRO rank step only its shard and
+# still match an optimizer that sees every parameter.
 
 
 # --------------------------------------------------------------------------- memory
@@ -537,8 +517,8 @@ class ZeroDataParallel(nn.Module):
 
     def _adam(self, param: torch.Tensor, grad: torch.Tensor, unit: _Unit) -> None:
         with torch.no_grad():
-            adam_step(param, grad, unit.exp_avg, unit.exp_avg_sq, self.steps, self.lr,
-                      self.betas, self.eps, self.weight_decay)  # fmt: skip
+            adam_update_(param, grad, unit.exp_avg, unit.exp_avg_sq, self.steps, self.lr,
+                         *self.betas, self.eps, self.weight_decay)  # fmt: skip
 
     # ---- what the rank holds
 
@@ -644,7 +624,7 @@ def ddp_train(
     """Rank function, the reference: plain data parallelism with Adam on the same shares of the
     same batches; returns the parameters. By default chapter 3's
     :class:`~dmlbook.data_parallel.BucketedDDP` (checked against torch's DDP in chapter 3) and
-    :func:`adam_step` per parameter; ``torch_ddp=True`` uses torch's DistributedDataParallel and
+    :func:`adam_update_` per parameter; ``torch_ddp=True`` uses torch's DistributedDataParallel and
     ``torch.optim.Adam``, whose first step imports torch._dynamo (seconds on a small machine).
     Outside a process group it is single-process training."""
     model = make_model()
@@ -666,7 +646,7 @@ def ddp_train(
 
 
 class _PlainAdam:
-    """:func:`adam_step` on every parameter, with its moments: Adam with nothing sharded."""
+    """:func:`adam_update_` on every parameter, with its moments: Adam with nothing sharded."""
 
     def __init__(self, params: list[nn.Parameter], lr: float) -> None:
         self.params, self.lr, self.steps = params, lr, 0
@@ -680,7 +660,7 @@ class _PlainAdam:
     def step(self) -> None:
         self.steps += 1
         for p, (exp_avg, exp_avg_sq) in zip(self.params, self.moments, strict=True):
-            adam_step(p, p.grad, exp_avg, exp_avg_sq, self.steps, self.lr)
+            adam_update_(p, p.grad, exp_avg, exp_avg_sq, self.steps, self.lr, 0.9, 0.999, 1e-8)
 
 
 def fsdp2_train(

@@ -94,7 +94,7 @@ def results(world_size: int) -> list[dict]:
 
 @functools.cache
 def single_process() -> dict[str, torch.Tensor]:
-    """The reference: one process, the whole batch, Adam (:func:`zero.adam_step`, checked
+    """The reference: one process, the whole batch, Adam (:func:`zero.adam_update_`, checked
     against torch.optim.Adam below; torch.optim itself would import torch._dynamo here)."""
     model = make_model()
     optimizer = zero._PlainAdam(list(model.parameters()), LR)
@@ -206,8 +206,8 @@ def _adam_on_slices_and_torch_adam():
         theirs.grad = grad.clone()
         optimizer.step()
         for part in (slice(0, 4), slice(4, 11)):
-            zero.adam_step(ours[part], grad[part], moments[0][part], moments[1][part], step,
-                           0.1, weight_decay=0.01)  # fmt: skip
+            zero.adam_update_(ours[part], grad[part], moments[0][part], moments[1][part], step,
+                              0.1, 0.9, 0.999, 1e-8, weight_decay=0.01)  # fmt: skip
     return ours, theirs.detach()
 
 
