@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import launch
+from dmlbook import _zygote, launch
 from dmlbook.launch import RankError, RankTimeoutError, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -444,3 +444,80 @@ def test_auto_backend_is_nccl_with_a_gpu_per_rank():
     for r in results:
         assert r["backend"] == "nccl" and r["device"] == f"cuda:{r['rank']}"
         assert r["total"] == world_size
+
+
+# --------------------------------------------------------------------------- the warm helper
+
+
+def whose_child():
+    return dict(
+        parent=os.getppid(),
+        probe=os.environ.get("DMLBOOK_TEST_PROBE"),
+        debug=str(dist.get_debug_level()),
+        cwd=os.getcwd(),
+    )
+
+
+def test_ranks_fork_from_one_warm_helper_and_see_the_callers_current_environment(
+    monkeypatch, tmp_path
+):
+    if not _zygote.enabled():
+        pytest.skip("DMLBOOK_START=spawn, or not Linux: every rank is a fresh interpreter")
+    first = run(whose_child, 2)
+    helper = _zygote.helper().process.pid
+    assert [r["parent"] for r in first] == [helper, helper]
+    # set after the helper started (and imported torch, which reads TORCH_DISTRIBUTED_DEBUG)
+    monkeypatch.setenv("DMLBOOK_TEST_PROBE", "seen")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.chdir(tmp_path)
+    second = run(whose_child, 3)
+    assert _zygote.helper().process.pid == helper  # started once, reused
+    for r in second:
+        assert r["parent"] == helper and r["probe"] == "seen"
+        assert r["debug"].endswith("DETAIL") and r["cwd"] == str(tmp_path)
+
+
+def sleep_then_answer(piddir):
+    _record_pids(piddir)
+    time.sleep(600)
+
+
+def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp_path):
+    if not _zygote.enabled():
+        pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
+    helper = _zygote.helper().process
+    killer = threading.Thread(
+        target=lambda: (
+            [time.sleep(0.05) for _ in range(400) if len(list(tmp_path.glob("*.pids"))) < 2],
+            helper.kill(),
+        )
+    )
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RankError):
+        run(sleep_then_answer, 2, str(tmp_path), timeout=60)
+    killer.join()
+    assert time.monotonic() - start < 20
+    _assert_no_orphans(tmp_path, 2)
+    assert run(report, 2, 0)[1]["total"] == 1  # a new helper
+    assert _zygote.helper().process.pid != helper.pid
+
+
+def test_spawned_ranks_behave_the_same(monkeypatch, tmp_path):
+    # DMLBOOK_START=spawn: fresh interpreters, the launcher's other path
+    monkeypatch.setenv("DMLBOOK_START", "spawn")
+    (tmp_path / "raise").mkdir()
+    (tmp_path / "stuck").mkdir()
+    assert [r["total"] for r in run(report, 3, 1)] == [6, 6, 6]
+    assert run(whose_child, 1)[0]["parent"] == os.getpid()
+    with pytest.raises(RankError, match="rank 2 failed first") as info:
+        run(raise_on_rank_2, 3, str(tmp_path / "raise"))
+    assert isinstance(info.value.__cause__, ValueError)
+    _assert_no_orphans(tmp_path / "raise", 3)
+    with pytest.raises(RankTimeoutError) as timeout:
+        run(stuck_here, 2, str(tmp_path / "stuck"), timeout=3)
+    assert "time.sleep(600)" in timeout.value.stacks[0]
+    _assert_no_orphans(tmp_path / "stuck", 2)
+    monkeypatch.setenv("DMLBOOK_START", "vfork")
+    with pytest.raises(ValueError, match="DMLBOOK_START"):
+        run(report, 1, 0)

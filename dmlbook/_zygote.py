@@ -1,0 +1,280 @@
+"""A warm helper process that has imported torch once, and forks the ranks that ``run`` starts.
+
+Starting a rank as a fresh interpreter spends 1-2 s of CPU importing torch. On a 2-core laptop
+that is most of what a short notebook cell costs: 2 ranks took 1.3-2.9 s to start, 4 ranks
+2.4-5.1 s, against 0.07 s and 0.13 s forked from here. So :mod:`dmlbook.launch` keeps one such
+process per caller (the name is Android's, whose app processes fork from one warm "zygote").
+
+* It imports torch and its distributed packages, and never runs a torch op: forking after an op
+  has started OpenMP's thread pool can deadlock the child. It does not import dmlbook, so a rank
+  always runs the package's current source, as a freshly spawned one would.
+* Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
+  with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
+  Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's.
+* The helper reaps its children and reports each exit code, so :class:`ForkedRank` offers the
+  part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
+* When the caller goes away, its end of the socket closes and the helper exits; its ranks see
+  their parent gone and kill themselves, as spawned ranks do when the caller dies.
+
+``DMLBOOK_START=spawn`` starts every rank as a fresh interpreter instead: use it when a variable
+that torch reads only at import (``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``) must differ in the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Imported before the helper says it is ready (every rank needs them) ...
+PRELOAD = ("torch", "torch.distributed", "numpy", "cloudpickle")
+# ... and these while it is idle: torch's own packages that chapters' ranks import.
+WARM_LATER = (
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+)
+START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
+_MAX_MESSAGE = 1 << 20
+
+
+# --------------------------------------------------------------------------- the helper's side
+
+
+def serve(fd: int) -> None:
+    """The helper's main loop: fork a rank per request, report each exit, stop with the caller."""
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the caller, not for us
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)  # SIGCHLD makes select return
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    for name in PRELOAD:
+        __import__(name)
+    sock.send(pickle.dumps(("ready", os.getpid())))
+    warm_later = list(WARM_LATER)
+    while True:
+        readable, _, _ = select.select([sock, wake_r], [], [], 0 if warm_later else None)
+        if wake_r in readable:
+            while _read_nonblocking(wake_r):
+                pass
+        _reap_children(sock)
+        if sock in readable:
+            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+            if not message:  # the caller is gone
+                os._exit(0)
+            request_id, argv, env = pickle.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                _become_rank(argv, env, fds, close=(sock.fileno(), wake_r, wake_w))
+            for f in fds:
+                os.close(f)
+            sock.send(pickle.dumps(("started", request_id, pid)))
+        elif not readable and warm_later:
+            __import__(warm_later.pop(0))
+
+
+def _read_nonblocking(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def _reap_children(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        try:
+            sock.send(pickle.dumps(("exited", pid, code)))
+        except OSError:  # the caller is gone; its ranks follow
+            os._exit(0)
+
+
+def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) -> None:
+    """In the forked child: become what ``python -c 'from dmlbook._rank_process import main'``
+    would have been, then run it. Never returns."""
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for f in close:
+            os.close(f)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for f in (devnull, *fds):
+            os.close(f)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = list(argv)
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        import torch.distributed as dist
+
+        dist.set_debug_level_from_env()  # read at import; the caller may have changed it since
+        from dmlbook._rank_process import main
+
+        main()  # ends in os._exit
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------- the caller's side
+
+
+class ForkedRank:
+    """A rank forked by the helper: the part of ``subprocess.Popen`` that the launcher uses."""
+
+    def __init__(self, pid: int, stdout, stderr, helper: Zygote) -> None:
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+        self._helper = helper
+
+    def poll(self) -> int | None:
+        helper = self._helper
+        if self.pid in helper._exit_codes:
+            self.returncode = helper._exit_codes[self.pid]
+        elif not helper._alive:  # the helper died; orphaned ranks kill themselves
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._helper._changed:
+            if not self._helper._changed.wait_for(lambda: self.poll() is not None, timeout):
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        return self.returncode
+
+
+class Zygote:
+    """The caller's handle on its helper process."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        )
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-u",
+                "-c",
+                f"from dmlbook._zygote import serve; serve({theirs.fileno()})",
+            ],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in the caller's terminal does not reach it
+        )
+        theirs.close()
+        self.sock = mine
+        self.owner = os.getpid()
+        self._lock = threading.Lock()  # one request at a time
+        self._changed = threading.Condition()
+        self._started: dict[int, int] = {}  # request id -> pid
+        self._exit_codes: dict[int, int] = {}  # pid -> exit code (negative: killed by a signal)
+        self._next_id = 0
+        self._alive = True
+        ready = select.select([self.sock], [], [], START_TIMEOUT_S)[0]
+        message = self.sock.recv(_MAX_MESSAGE) if ready else b""
+        if not message or pickle.loads(message)[0] != "ready":
+            self.close()
+            raise RuntimeError("the rank helper process did not start")
+        threading.Thread(target=self._listen, daemon=True, name="dmlbook-zygote").start()
+
+    def alive(self) -> bool:
+        return self._alive and self.owner == os.getpid() and self.process.poll() is None
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
+        """Fork a rank that runs ``argv`` as ``python -c ...`` would, with ``env``."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            with self._lock:
+                self._next_id += 1
+                request = self._next_id
+                socket.send_fds(self.sock, [pickle.dumps((request, argv, env))], [out_w, err_w])
+            with self._changed:
+                if (
+                    not self._changed.wait_for(
+                        lambda: request in self._started or not self._alive, START_TIMEOUT_S
+                    )
+                    or not self._alive
+                ):
+                    raise RuntimeError("the rank helper process stopped answering")
+                pid = self._started.pop(request)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)  # the child holds the only write ends now: EOF when it exits
+            os.close(err_w)
+        return ForkedRank(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), self)
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                message = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                message = b""
+            with self._changed:
+                if not message:  # the helper is gone, and with it every rank it forked
+                    self._alive = False
+                    self._changed.notify_all()
+                    return
+                kind, key, value = pickle.loads(message)
+                if kind == "started":
+                    self._started[key] = value
+                    self._exit_codes.pop(value, None)  # a reused pid's old exit
+                else:
+                    self._exit_codes[key] = value
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        self._alive = False
+        self.sock.close()
+        self.process.kill()
+        self.process.wait()
+
+
+_helper: Zygote | None = None
+_helper_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Fork ranks from the helper: on Linux, unless ``DMLBOOK_START=spawn``."""
+    start = os.environ.get("DMLBOOK_START", "fork")
+    if start not in ("fork", "spawn"):
+        raise ValueError(f"DMLBOOK_START must be 'fork' or 'spawn', got {start!r}")
+    return start == "fork" and sys.platform == "linux"
+
+
+def helper() -> Zygote:
+    """This process's helper, started on first use (and again if it died)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None or not _helper.alive():
+            _helper = Zygote()
+        return _helper
