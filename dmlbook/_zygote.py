@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 # Imported before the helper says it is ready (every rank needs them) ...
