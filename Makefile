@@ -8,7 +8,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lab test test-unit test-notebooks bench lint format clean
+.PHONY: install lab test test-unit test-notebooks bench lint format clean student grade book
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,18 @@ test-unit: $(STAMP)
 
 test-notebooks: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+# Student copies (solutions replaced by stubs) in student/, and grading them: a table and JSON.
+student: $(STAMP)
+	$(PY) -m dmlbook.classroom student chapters/ student/
+
+grade: $(STAMP)
+	$(PY) -m dmlbook.classroom grade student/
+
+# Every chapter executed and written as HTML with its plots, for reading without Jupyter.
+book: $(STAMP)
+	$(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
+		--output-dir build/book chapters/*.ipynb
 
 bench: $(STAMP)
 	$(PY) -m dmlbook.bench all

@@ -28,6 +28,9 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+# The runnable scripts that torchrun starts (chapters 3, 4 and 11), beside data/ in the checkout:
+# notebooks find them here wherever they are run from, a student copy's folder included.
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 
 def data_roots() -> list[Path]:

@@ -57,7 +57,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from dmlbook import checkpoint as ckpt
 from dmlbook import collectives
 from dmlbook.data_parallel import accuracy, linear_scaling
-from dmlbook.datasets import load_digits, shard_indices
+from dmlbook.datasets import EXAMPLES_DIR, load_digits, shard_indices
 from dmlbook.models import mlp
 
 __all__ = [
@@ -338,7 +338,7 @@ def _train_reference(config: ElasticConfig, world_size: int) -> tuple[nn.Module,
 
 # --------------------------------------------------------------------------- launching agents
 
-SCRIPT = str(Path(__file__).resolve().parent.parent / "examples" / "elastic_train.py")
+SCRIPT = str(EXAMPLES_DIR / "elastic_train.py")
 # torchrun's environment: a fresh store per restarted group (see _init_from_torchrun)
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 # quick rendezvous on one machine: a dead node is noticed after 1 s x 2 missed heartbeats, and

@@ -14,28 +14,41 @@ prints one friendly line and returns, and a student notebook with open exercises
 bottom. A right answer prints a short "passed" line; a wrong one raises :class:`ExerciseFailed`
 saying which input, what was expected and what came back.
 
-Every checker returns a :class:`CheckResult`, and a failure carries one in ``.result``, so a grader
-collects results without any global state::
+Every checker returns a :class:`CheckResult`, and a failure carries one in ``.result``::
 
     try:
         result = ch01.check_shard(my_shard)
     except ExerciseFailed as failure:
         result = failure.result
+
+When the environment variable named by :data:`GRADE_LOG` is set (``python -m dmlbook.classroom
+grade`` sets it for the kernel), every check also appends its result to that file as one line of
+JSON, so a grader reads verdicts rather than printed text.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from dmlbook.launch import RankError, RankTimeoutError
 
-__all__ = ["CheckResult", "ExerciseFailed", "checker", "expect_value_error", "learner_code"]
+__all__ = [
+    "GRADE_LOG",
+    "CheckResult",
+    "ExerciseFailed",
+    "checker",
+    "expect_value_error",
+    "learner_code",
+]
 
 Status = Literal["passed", "failed", "not attempted"]
+GRADE_LOG = "DMLBOOK_GRADE_LOG"  # names a file that receives each check's result, if set
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
             except ExerciseFailed as failure:
                 failure.args = (f"Exercise {exercise!r} failed: {failure}",)
                 failure.exercise = exercise
+                _report(failure.result)
                 raise
             except Exception as error:
                 if not _not_attempted(error):
@@ -96,15 +110,23 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                     " with your answer and run the cell again."
                 )
                 print(message)
-                return CheckResult(exercise, "not attempted", message)
+                return _report(CheckResult(exercise, "not attempted", message))
             message = f"Exercise {exercise!r} passed" + (f": {summary}" if summary else ".")
             print(message)
-            return CheckResult(exercise, "passed", message)
+            return _report(CheckResult(exercise, "passed", message))
 
         run_check.exercise = exercise  # type: ignore[attr-defined]  # lets a grader list them
         return run_check
 
     return decorate
+
+
+def _report(result: CheckResult) -> CheckResult:
+    """Append ``result`` to the grader's log, when a grader asked for one."""
+    if log := os.environ.get(GRADE_LOG):
+        with open(log, "a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+    return result
 
 
 def expect_value_error(call: str, attempt: Callable[[], object], why: str) -> None:

@@ -1,0 +1,178 @@
+"""Chapter 2 in JupyterLab, in a real (headless) Chromium: run every cell, then move the widget.
+
+This is what a learner does, and it catches what executing a notebook without a front end cannot:
+a widget that does not render or does not answer, output that the browser cannot show, a kernel
+that does not start from JupyterLab. The test
+
+* starts ``jupyter lab`` on 127.0.0.1, on a free port, with a token, over a copy of the chapter;
+* opens the notebook in Debian's Chromium, driven by Playwright (no browser is downloaded);
+* runs all cells from the Run menu and waits until every cell has run and the kernel is idle;
+* saves the notebook and checks, in the saved file, that every code cell ran and none raised;
+* moves the ring all-reduce slider one step with the keyboard and checks that the plot changed;
+* saves a screenshot, whose path the end of the test session prints.
+
+It is marked ``browser``. Without Chromium or Playwright it is skipped, saying which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parent.parent
+CHAPTER = REPO / "chapters" / "02_parameter_server_and_allreduce.ipynb"
+CHROMIUM = os.environ.get("DMLBOOK_CHROMIUM") or shutil.which("chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",  # as root; the browser still runs headless on loopback only
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+RUN_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab serving a folder that holds a copy of the chapter; yields (url, folder)."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(CHAPTER, root / CHAPTER.name)
+    port, token = _free_port(), "dmlbook-browser-test"
+    command = [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser",
+        "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: read the cells' state
+    ]  # fmt: skip
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), MPLBACKEND="")
+    env.pop("MPLBACKEND")  # the notebook's inline backend, as for a learner
+    log = (tmp_path / "lab.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:]
+                    ) from None
+                time.sleep(0.3)
+        yield f"{url}/lab/tree/{CHAPTER.name}?token={token}", root
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+# The notebook's state as JupyterLab's own model holds it (cells off screen are not in the DOM).
+NOTEBOOK_STATE = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  const cells = panel.content.model.cells;
+  let code = 0, ran = 0;
+  const errors = [];
+  for (let i = 0; i < cells.length; i++) {
+    const cell = cells.get(i);
+    if (cell.type !== 'code') continue;
+    code++;
+    if (cell.executionCount !== null) ran++;
+    for (const out of cell.outputs.toJSON())
+      if (out.output_type === 'error') errors.push(`cell ${i}: ${out.ename}: ${out.evalue}`);
+  }
+  return {code, ran, errors, kernel: panel.sessionContext.session?.kernel?.status ?? null};
+}"""
+
+
+def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(lab, tmp_path, artifacts):
+    if CHROMIUM is None:
+        pytest.skip("no Chromium: install Debian's `chromium` package (apt install chromium)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="no Playwright for Python: pip install playwright"
+    )
+    url, root = lab
+    started = time.monotonic()
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        page.wait_for_function(  # the kernel has started and is waiting
+            "() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel"
+            "?.status === 'idle'",
+            timeout=60_000,
+        )
+
+        page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+        page.locator("[data-command='runmenu:run-all']").click()
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            state = page.evaluate(NOTEBOOK_STATE)
+            if state["ran"] == state["code"] and state["kernel"] == "idle":
+                break
+            assert time.monotonic() < deadline, f"the notebook did not finish in time: {state}"
+            page.wait_for_timeout(500)
+        ran_in = time.monotonic() - started
+        assert state["errors"] == [], "a cell raised in JupyterLab"
+
+        # the widget: the ring all-reduce slider, and the plot under it
+        widget = page.locator(".jupyter-widgets.widget-interact").first
+        widget.scroll_into_view_if_needed()
+        before = widget.locator("img").first.get_attribute("src")
+        assert before and before.startswith("data:image/png"), "the widget shows no plot"
+        widget.locator(".noUi-handle, .ui-slider-handle, input[type='range']").first.focus()
+        page.keyboard.press("ArrowRight")
+        page.wait_for_function(  # the Output widget draws a new <img>: look it up afresh
+            """src => {
+                const img = document.querySelector('.widget-interact img');
+                return img !== null && img.getAttribute('src') !== src;
+            }""",
+            arg=before,
+            timeout=30_000,
+        )
+        value = widget.locator(".widget-readout").first.inner_text()
+        screenshot = artifacts("chapter02-jupyterlab.png")
+        page.screenshot(path=str(screenshot), full_page=False)
+
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        browser.close()
+
+    assert value.strip() == "1", f"the slider should read 1 after one step, reads {value!r}"
+    saved = nbformat.read(root / CHAPTER.name, as_version=4)
+    code = [c for c in saved.cells if c.cell_type == "code"]
+    errors = [
+        f"cell {i}: {o.ename}: {o.evalue}"
+        for i, c in enumerate(code)
+        for o in c.outputs
+        if o.output_type == "error"
+    ]
+    assert errors == []
+    assert all(c.execution_count is not None for c in code), "a code cell did not run"
+    print(f"chapter 2 ran in JupyterLab in {ran_in:.0f} s; screenshot: {screenshot}")
