@@ -321,7 +321,10 @@ def table(grades: list[NotebookGrade]) -> str:
             message = e.message.splitlines()[0] if e.message else ""
             rows.append((notebook.notebook, e.exercise, e.status, message[:90]))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  -------")
     for notebook in grades:
         lines += [f"ERROR in {notebook.notebook}, {error}" for error in notebook.errors]
