@@ -42,7 +42,7 @@ grade: $(STAMP)
 
 # Every chapter executed and written as HTML with its plots, for reading without Jupyter.
 book: $(STAMP)
-	$(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
+	env -u MPLBACKEND $(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
 		--output-dir build/book chapters/*.ipynb
 
 bench: $(STAMP)

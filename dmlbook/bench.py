@@ -73,17 +73,29 @@ def _free_port() -> int:
 
 
 def bench_launch(repeats: int = 5) -> None:
-    """Wall time from the call to the results of one all-reduce on N fresh ranks."""
+    """Wall time from the call to the results of one all-reduce on N new ranks: ranks forked
+    from the warm helper (the default), ranks as fresh interpreters (``DMLBOOK_START=spawn``),
+    and torch's ``mp.spawn``, interleaved."""
+    os.environ.pop("DMLBOOK_START", None)  # the default first, then spawn explicitly
+    run(_one_all_reduce, 1)  # the helper starts once per caller; its start is not a launch
     for world_size in (2, 4):
-        ours, theirs = [], []
+        forked, spawned, theirs = [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
             run(_one_all_reduce, world_size)
-            ours.append(time.perf_counter() - start)
+            forked.append(time.perf_counter() - start)
+            os.environ["DMLBOOK_START"] = "spawn"
+            try:
+                start = time.perf_counter()
+                run(_one_all_reduce, world_size)
+                spawned.append(time.perf_counter() - start)
+            finally:
+                del os.environ["DMLBOOK_START"]
             start = time.perf_counter()
             mp.spawn(_torch_spawn_rank, args=(world_size, _free_port()), nprocs=world_size)
             theirs.append(time.perf_counter() - start)
-        _report(f"launch + 1 all-reduce, world size {world_size}", ours, theirs)
+        _report(f"launch + all-reduce, {world_size} ranks, forked", forked, theirs)
+        _report(f"launch + all-reduce, {world_size} ranks, spawned", spawned, theirs)
 
 
 # --------------------------------------------------------------------------- data parallel
