@@ -65,7 +65,15 @@ def lab(tmp_path):
     ]  # fmt: skip
     if os.geteuid() == 0:
         command.append("--allow-root")
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), MPLBACKEND="")
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)  # no "get notified about Jupyter news?" over the screenshot
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+        MPLBACKEND="",
+    )
     env.pop("MPLBACKEND")  # the notebook's inline backend, as for a learner
     log = (tmp_path / "lab.log").open("w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
