@@ -39,6 +39,7 @@ One module per technique, each naming the chapter that teaches it:
   multi-node runs (chapters 3, 4, 11)
 * ``viz``: plots from real runs
 * ``exercises``: automatic checkers for the notebooks' exercises
+* ``classroom``: student copies of the notebooks and grading them (every chapter)
 * ``bench``: ``python -m dmlbook.bench``, each implementation against torch's own
 """
 
