@@ -204,29 +204,27 @@ class GradingKernel:
         self.folder, self.timeout = Path(folder), timeout
 
     def __enter__(self) -> GradingKernel:
-        from jupyter_client.manager import KernelManager
         from nbclient import NotebookClient
 
         self._tmp = tempfile.TemporaryDirectory(prefix="dmlbook-grade-")
         self.log = Path(self._tmp.name) / "checks.jsonl"
         self.log.touch()
-        linux = sys.platform == "linux"  # Unix sockets there: no unencrypted TCP to warn about
-        kernel = KernelManager(
+        self.client = NotebookClient(
+            nbformat.v4.new_notebook(),
             kernel_name="python3",
-            transport="ipc" if linux else "tcp",
-            ip=str(Path(self._tmp.name) / "kernel") if linux else "127.0.0.1",
+            timeout=self.timeout,
+            allow_errors=True,
+            shutdown_kernel="immediate",
+            resources={"metadata": {"path": str(self.folder)}},
         )
+        # nbclient's own (asynchronous) kernel manager: it notices a dead kernel within seconds
+        kernel = self.client.create_kernel_manager()
         # this interpreter, whatever `python` means on PATH
         kernel.kernel_spec.argv = [
             sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"
         ]  # fmt: skip
-        self.client = NotebookClient(
-            nbformat.v4.new_notebook(),
-            km=kernel,
-            timeout=self.timeout,
-            allow_errors=True,
-            resources={"metadata": {"path": str(self.folder)}},
-        )
+        if sys.platform == "linux":  # Unix sockets: no unencrypted TCP for the kernel to warn of
+            kernel.transport, kernel.ip = "ipc", str(Path(self._tmp.name) / "kernel")
         env = {**os.environ, GRADE_LOG: str(self.log), "MPLBACKEND": "Agg"}
         self._kernel = self.client.setup_kernel(env=env, cwd=str(self.folder))
         self._kernel.__enter__()
@@ -234,13 +232,9 @@ class GradingKernel:
 
     def __exit__(self, *exc) -> None:
         try:
-            self._kernel.__exit__(*exc)
+            self._kernel.__exit__(*exc)  # shuts the kernel down
         finally:
-            try:  # nbclient leaves a kernel it was handed running
-                if self.client.km.has_kernel:
-                    self.client.km.shutdown_kernel(now=True)
-            finally:
-                self._tmp.cleanup()
+            self._tmp.cleanup()
 
     def run(self, notebook: nbformat.NotebookNode, name: str) -> NotebookGrade:
         """Run every code cell of ``notebook`` in this kernel and grade its exercises."""
@@ -248,11 +242,32 @@ class GradingKernel:
         self.client.nb = notebook  # nbclient writes each executed cell back into it
         started = time.monotonic()
         answer_error: str | None = None  # of the answer cell before the next checker
+        from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+        stopped: str | None = None  # why the rest of the notebook could not run
         for index, cell in enumerate(notebook.cells):
             if cell.cell_type != "code":
                 continue
+            if stopped:
+                if _is_checker(cell):
+                    name = _nbgrader(cell).get("grade_id", f"cell {index}")
+                    result.exercises.append(ExerciseGrade(name, "failed", stopped, index))
+                continue
             seen = self.log.stat().st_size
-            self.client.execute_cell(cell, index)
+            try:
+                self.client.execute_cell(cell, index)
+            except (DeadKernelError, CellTimeoutError) as e:
+                what = (
+                    "the kernel died"
+                    if isinstance(e, DeadKernelError)
+                    else (f"it ran past the {self.timeout:g} s timeout")
+                )
+                stopped = f"not run: cell {index} stopped the notebook ({what})"
+                result.errors.append(f"cell {index}: {what}")
+                if _is_checker(cell):
+                    name = _nbgrader(cell).get("grade_id", f"cell {index}")
+                    result.exercises.append(ExerciseGrade(name, "failed", f"{what}", index))
+                continue
             error = _error_of(cell)
             if _is_checker(cell):
                 with self.log.open() as f:

@@ -184,3 +184,28 @@ def test_grade_command_writes_a_table_and_json(tmp_path, capsys):
     (notebook,) = report["notebooks"]
     assert [e["status"] for e in notebook["exercises"]] == ["passed", "failed", "not attempted"]
     assert notebook["errors"] == ["cell 1: ZeroDivisionError: division by zero"]
+
+
+@pytest.mark.parametrize(
+    "stopper, timeout, what",
+    [
+        ("import os\nos._exit(3)", 60, "the kernel died"),
+        ("import time\ntime.sleep(60)", 3, "it ran past the 3 s timeout"),
+    ],
+    ids=["kernel dies", "cell hangs"],
+)
+def test_a_notebook_that_kills_its_kernel_or_hangs_is_reported_not_fatal(
+    tmp_path, stopper, timeout, what
+):
+    source = nbformat.read(CHAPTERS / "01_splitting_input_data.ipynb", as_version=4)
+    exercises = _exercise_cells(source)
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell(stopper)]
+    cells += exercises[:2]  # exercise 1's answer and checker: never reached
+    path = tmp_path / "stops.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=source.metadata), path)
+
+    grade = classroom.grade_notebook(path, timeout=timeout)
+    assert grade.errors == [f"cell 1: {what}"]
+    (exercise,) = grade.exercises
+    assert exercise.status == "failed" and "cell 1 stopped the notebook" in exercise.message
+    assert grade.seconds < timeout + 30
