@@ -7,7 +7,7 @@ A *rank function* is a plain function that uses ``torch.distributed``. The same 
   value with cloudpickle, gives every rank an initialised process group and returns
   ``[fn's result on rank 0, ..., rank 3]``. The caller itself is never forked (forking a process
   that has run torch ops can deadlock); on Linux the ranks fork from a warm helper that has only
-  imported torch (:mod:`dmlbook._zygote`, 20-30x faster to start), elsewhere or with
+  imported torch (:mod:`dmlbook._zygote`; about 20x faster to start, measured), elsewhere or with
   ``DMLBOOK_START=spawn`` each is a fresh interpreter;
 * under ``torchrun --nnodes N --nproc-per-node M script.py`` on many machines: ``run`` sees the
   ``RANK``/``WORLD_SIZE`` that torchrun set, initialises from the environment and calls ``fn`` in

@@ -486,12 +486,14 @@ def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp
     if not _zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
     helper = _zygote.helper().process
-    killer = threading.Thread(
-        target=lambda: (
-            [time.sleep(0.05) for _ in range(400) if len(list(tmp_path.glob("*.pids"))) < 2],
-            helper.kill(),
-        )
-    )
+
+    def kill_helper_once_both_ranks_run():
+        deadline = time.monotonic() + 20
+        while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        helper.kill()
+
+    killer = threading.Thread(target=kill_helper_once_both_ranks_run)
     killer.start()
     start = time.monotonic()
     with pytest.raises(RankError):
