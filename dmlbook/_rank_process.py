@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import linecache
 import os
 import pickle
 import shutil
@@ -20,9 +19,10 @@ import time
 import traceback
 from pathlib import Path
 
-import cloudpickle
 import torch
 import torch.distributed as dist
+
+from dmlbook import _shipping
 
 
 def main() -> None:
@@ -36,12 +36,12 @@ def main() -> None:
     torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
     sys.path[:] = meta["sys_path"]
     os.chdir(meta["cwd"])
-    linecache.cache.update(meta["cells"])
+    _shipping.install_sources(meta["sources"])
     try:
         fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
         _init_process_group(rank, meta)
         result = fn(*args, **kwargs)
-        _write_atomic(workdir / f"result{rank}.pkl", cloudpickle.dumps(result))
+        _write_atomic(workdir / f"result{rank}.pkl", _shipping.dumps(result)[0])
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
         try:
             _report_failure(workdir, rank, e, failed_at=time.time())
@@ -88,7 +88,7 @@ def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float
         tb = tb.tb_next  # hide this module's own frames
     text = "".join(traceback.format_exception(type(e), e, tb))
     try:
-        exception = cloudpickle.dumps(e)
+        exception = _shipping.dumps(e)[0]
     except Exception:
         exception = b""
     try:

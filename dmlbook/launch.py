@@ -13,6 +13,10 @@ A *rank function* is a plain function that uses ``torch.distributed``. The same 
   ``RANK``/``WORLD_SIZE`` that torchrun set, initialises from the environment and calls ``fn`` in
   place.
 
+Functions travel by :mod:`dmlbook._shipping`, which keeps each code object's file name and sends
+the source lines of notebook cells along, so a rank's traceback shows the user's lines whatever
+the installed cloudpickle does with code objects.
+
 Failures are loud and quick: a rank that raises or dies becomes :class:`RankError` naming the rank
 that failed first (with its traceback); ranks still running at ``timeout`` become
 :class:`RankTimeoutError` with a stack dump of each stuck rank. Every child is gone when ``run``
@@ -40,11 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from dmlbook import _rank_process, _zygote
+from dmlbook import _rank_process, _shipping, _zygote
 
 __all__ = ["run", "device", "threads_per_rank", "RankError", "RankTimeoutError"]
 
@@ -178,7 +181,7 @@ class _Launch:
     def __init__(self, fn, world_size, args, kwargs, backend, timeout):
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         try:
-            self.payload = cloudpickle.dumps((fn, args, kwargs))
+            self.payload, self.sources = _shipping.dumps((fn, args, kwargs))
         except Exception as e:
             raise TypeError(
                 f"cannot ship the rank function or its arguments to the ranks: {e}"
@@ -216,8 +219,6 @@ class _Launch:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _write_meta(self, port: int) -> None:
-        # Source lines of cells (IPython keeps them only in linecache) so tracebacks show them.
-        cells = {k: v for k, v in linecache.cache.items() if len(v) == 4 and v[1] is None}
         meta = dict(
             world_size=self.world_size,
             backend=self.backend,
@@ -225,7 +226,7 @@ class _Launch:
             port=port,
             sys_path=list(sys.path),
             cwd=os.getcwd(),
-            cells=cells,
+            sources=self.sources,  # cells' lines, which IPython keeps only in memory
             parent_pid=self.helper.process.pid if self.helper else os.getpid(),
         )
         (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
