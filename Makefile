@@ -1,22 +1,50 @@
 # Thin wrappers; the logic lives in pyproject.toml, dmlbook/ and tests/.
-# `make lab` and `make test` create .venv on first use. On a machine with GPUs, choose the torch
-# build you want, e.g. `make test TORCH=torch` (the default pins the CPU build used in CI).
+# `make lab` and `make test` create .venv on first use and install from requirements.lock: every
+# package pinned exactly (torch's CPU build included), so every learner in a class and every CI run
+# gets the same versions. `make lock` regenerates the lock from pyproject.toml's ranges;
+# `make test-latest` runs the suite against the newest releases those ranges allow.
 VENV    ?= .venv
 PYTHON  ?= python3
-TORCH   ?= torch==2.13.0
+LOCK    := requirements.lock
 PY      := $(VENV)/bin/python
+UV      := $(VENV)/bin/uv
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The installer, pinned like everything else (pip would work too, about 7x slower here).
+UV_VERSION := 0.13.9
+# The Python the lock is made for (CI's and the reference machine's); its torch is pinned in
+# lock-constraints.txt.
+LOCK_PYTHON := 3.11
+# Where torch's CPU build comes from: this workplace keeps the wheel on disk; elsewhere, PyTorch's
+# CPU index. With a GPU, replace the lock's torch: `make install TORCH=torch==2.13.0` (PyPI's CUDA
+# build on Linux) or any requirement you like.
+TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheels,\
+	--index-strategy unsafe-best-match --extra-index-url https://download.pytorch.org/whl/cpu)
+TORCH ?=
 
-.PHONY: install lab test test-unit test-notebooks bench lint format clean student grade book
+.PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
+	student grade book
 
-$(STAMP): pyproject.toml
+# The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
+# lock does not hold); the package itself goes in editable, without touching the pins.
+$(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+
+$(STAMP): pyproject.toml $(LOCK) | $(UV)
+	$(UV) pip sync --python $(PY) --quiet $(TORCH_SOURCE) $(LOCK)
+	$(if $(TORCH),$(UV) pip install --python $(PY) --quiet --reinstall-package torch "$(TORCH)")
+	$(UV) pip install --python $(PY) --quiet --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# requirements.lock from pyproject.toml's ranges: the newest versions they allow today, for
+# Python $(LOCK_PYTHON) with torch's CPU build. Commit the result; environment.yml reads it too.
+lock: lock-constraints.txt | $(UV)
+	$(UV) pip compile pyproject.toml --extra dev --python-version $(LOCK_PYTHON) --quiet \
+		$(TORCH_SOURCE) --constraint lock-constraints.txt --no-emit-find-links \
+		--custom-compile-command "make lock" --output-file $(LOCK)
 
 # JupyterLab refuses to run as root without --allow-root (containers, cloud VMs).
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -24,14 +52,33 @@ LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ARGS) chapters/
 
+# The README's test command: every test and every chapter (nbval) with the given Python.
+run_tests = MPLBACKEND=Agg $(1) -m pytest tests chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest tests chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+	$(call run_tests,$(PY))
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-notebooks: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+# Drift before users meet it: a separate environment with the newest release of everything that
+# pyproject.toml allows (not the lock), built afresh each time, and the whole suite in it. torch
+# comes through pip, which honours a machine's own constraints (this workplace caps torch at the
+# builds it keeps on disk); everything else through uv at its highest allowed versions.
+LATEST ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)" torch
+	$(LATEST)/bin/uv pip install --python $(LATEST)/bin/python --quiet --resolution highest -e ".[dev]"
+	$(LATEST)/bin/uv pip list --python $(LATEST)/bin/python > $(LATEST)/versions.txt
+	$(call run_tests,$(LATEST)/bin/python)
+
+bench: $(STAMP)
+	$(PY) -m dmlbook.bench all
 
 # Student copies (solutions replaced by stubs) in student/, and grading them: a table and JSON.
 student: $(STAMP)
@@ -45,9 +92,6 @@ book: $(STAMP)
 	env -u MPLBACKEND $(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
 		--output-dir build/book chapters/*.ipynb
 
-bench: $(STAMP)
-	$(PY) -m dmlbook.bench all
-
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmlbook tests examples
 	$(VENV)/bin/ruff format --check dmlbook tests examples
@@ -57,4 +101,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix dmlbook tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(LATEST) .pytest_cache .ruff_cache *.egg-info

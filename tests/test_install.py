@@ -1,0 +1,146 @@
+"""Installs that never break: the lock, the files that must agree with it, and a newcomer's path.
+
+The static checks read pyproject.toml, requirements.lock, lock-constraints.txt, environment.yml
+and the Makefile. The newcomer test (marker ``install``) clones the repository's committed
+state into a temporary folder, runs the README's set-up command there from nothing, and executes
+a chapter in the environment it built: a missing install step cannot hide behind a warm machine.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parent.parent
+# The chapter the newcomer runs: it asserts that a rank's traceback shows the cell's source line,
+# which broke on a fresh install once (cloudpickle 3.1.3).
+CHAPTER = "chapters/02_parameter_server_and_allreduce.ipynb"
+
+
+def lock_pins() -> dict[str, Version]:
+    pins = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"requirements.lock: not an exact pin: {line!r}"
+        pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def project_requirements() -> list[Requirement]:
+    """pyproject.toml's dependencies and its dev extra (tomllib is 3.11+; we allow 3.10)."""
+    text = (REPO / "pyproject.toml").read_text()
+    found = []
+    for table in ("dependencies", "dev"):
+        block = re.search(rf"^{table} = \[(.*?)^\]", text, re.MULTILINE | re.DOTALL)
+        assert block, f"pyproject.toml has no {table} list"
+        found += [Requirement(r) for r in re.findall(r'"([^"]+)"', block.group(1))]
+    return found
+
+
+def readme_setup_command() -> str:
+    """The set-up command that the README's first shell block gives."""
+    block = re.search(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    assert block, "README.md has no bash block"
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    setup = [c for c in commands if c.startswith("make install")]
+    assert setup, "the README's first bash block gives no `make install` set-up command"
+    return setup[0]
+
+
+def test_lock_pins_every_requirement_within_its_range():
+    pins = lock_pins()
+    assert len(pins) > 50, "the lock should hold the full dependency tree, not just our own"
+    for requirement in project_requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is a requirement but not in requirements.lock"
+        # a local build such as 2.13.0+cpu satisfies ==2.13.0 and >=2.4
+        public = Version(pins[name].public)
+        assert requirement.specifier.contains(public, prereleases=True), (
+            f"requirements.lock pins {name}=={pins[name]}, outside pyproject's {requirement}"
+        )
+
+
+def test_lock_has_the_torch_it_was_made_for():
+    constraint = Requirement(
+        next(
+            line
+            for line in (REPO / "lock-constraints.txt").read_text().splitlines()
+            if line.strip().startswith("torch")
+        )
+    )
+    assert constraint.specifier.contains(Version(lock_pins()["torch"].public))
+
+
+def test_environment_yml_and_makefile_agree_with_the_lock():
+    env = (REPO / "environment.yml").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    lock_python = re.search(r"^LOCK_PYTHON\s*:?=\s*(\S+)", makefile, re.MULTILINE).group(1)
+    assert re.search(rf"^\s*- python={re.escape(lock_python)}\s*$", env, re.MULTILINE), (
+        f"environment.yml should ask for the Python the lock is made for ({lock_python})"
+    )
+    assert re.search(r"^\s*- -r requirements\.lock\s*$", env, re.MULTILINE)
+    uv = Version(re.search(r"^UV_VERSION\s*:?=\s*(\S+)", makefile, re.MULTILINE).group(1))
+    assert uv.release, "the installer's version is pinned in the Makefile"
+    # CI runs the README's test command through make, so it installs from the lock too
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+@pytest.mark.install
+@pytest.mark.timeout(900)
+def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and a git checkout to clone")
+    clone = tmp_path / "dmlbook"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
+    assert not (clone / ".venv").exists()
+    # The newcomer's shell: no virtual environment active, nothing of ours on the path.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS", "MAKEFLAGS", "MAKELEVEL")
+    }
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bin_dir)
+    setup = subprocess.run(
+        readme_setup_command(),
+        shell=True,
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert setup.returncode == 0, f"set-up failed:\n{setup.stdout[-3000:]}\n{setup.stderr[-3000:]}"
+    python = clone / ".venv" / "bin" / "python"
+    chapter = subprocess.run(
+        [str(python), "-m", "pytest", CHAPTER, "--nbval-lax", "--nbval-current-env", "-q",
+         "-p", "no:cacheprovider"],
+        cwd=clone,
+        env=dict(env, MPLBACKEND="Agg"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert chapter.returncode == 0, (
+        f"{CHAPTER} failed in the fresh environment:\n{chapter.stdout[-5000:]}"
+    )
+    assert re.search(r"\d+ passed", chapter.stdout)
+    # and it ran the package from the clone, not from this checkout
+    where = subprocess.run(
+        [str(python), "-c", "import dmlbook; print(dmlbook.__file__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert where.stdout.strip().startswith(str(clone))
