@@ -100,7 +100,7 @@ def test_environment_yml_and_makefile_agree_with_the_lock():
 def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a git checkout to clone")
-    clone = tmp_path / "dmlbook"
+    clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
     assert not (clone / ".venv").exists()
     # The newcomer's shell: no virtual environment active, nothing of ours on the path.
@@ -135,9 +135,10 @@ def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
         f"{CHAPTER} failed in the fresh environment:\n{chapter.stdout[-5000:]}"
     )
     assert re.search(r"\d+ passed", chapter.stdout)
-    # and it ran the package from the clone, not from this checkout
+    # and the environment holds the package from the clone, not from this checkout
     where = subprocess.run(
         [str(python), "-c", "import dmlbook; print(dmlbook.__file__)"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         env=env,
