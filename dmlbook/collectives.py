@@ -19,6 +19,12 @@ from the only primitive a network really offers, a message from one rank to anot
   - ``"naive"``: everyone sends to rank 0, which reduces and sends the result back, as a parameter
     server does.
 
+  The ring also takes ``transfer_dtype`` (chapter 4, beside gradient compression): chunks travel
+  in bf16 or fp16, half the bytes of fp32, while every addition happens in the tensor's own
+  precision. Each partial sum is rounded once per hop and the result once more before it goes
+  round, so the error grows with the ring's length and not with the precision of the sums; every
+  rank still ends with the same bits.
+
 Signatures follow ``torch.distributed``: the tensor is changed in place, ``src``/``dst`` are global
 ranks, ``group`` selects a subgroup, and ``op`` is a ``dist.ReduceOp`` (SUM, AVG, PRODUCT, MIN,
 MAX; AVG needs a floating dtype, as with NCCL). Every algorithm works for any world size and any
@@ -131,6 +137,7 @@ class _Comm:
         self.size = dist.get_world_size(group)
         self.collective = collective
         self.pending: list[dist.Work] = []
+        self.in_flight: list[torch.Tensor] = []  # tensors made just to be sent, kept until sent
         self.tag_base = 0  # the shape check uses its own tags, and is not recorded
 
     def member(self) -> bool:
@@ -170,6 +177,7 @@ class _Comm:
                 )
             )
         self.pending.append(dist.isend(t, dst, group=self.group, tag=self.tag_base + step))
+        self.in_flight.append(t)
 
     def irecv(self, t: torch.Tensor, peer: int, step: int) -> dist.Work | None:
         if t.numel() == 0:
@@ -185,6 +193,7 @@ class _Comm:
         for work in self.pending:
             work.wait()
         self.pending.clear()
+        self.in_flight.clear()
 
 
 def _check_tensor(tensor, name: str = "tensor") -> None:
@@ -348,20 +357,23 @@ def _ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, in
     return [(start + a, start + b) for a, b in _split(n, parts) if b > a]
 
 
-def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks) -> None:
+def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks, wire=None) -> None:
     """p-1 steps: at step s rank r sends chunk (r-s-1) mod p to r+1 and adds the chunk arriving
     from r-1 into its own copy; afterwards rank r holds chunk r summed over every rank.
 
     Each chunk travels as slices: a slice is forwarded as soon as it has been reduced, so
-    receiving the next slice overlaps the addition.
+    receiving the next slice overlaps the addition. With ``wire`` (a dtype), slices are sent
+    rounded to it and added, on arrival, into ``flat``'s own precision.
     """
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     if size == 1:
         return
+    wire = wire or flat.dtype
+    send = (lambda t: t) if wire == flat.dtype else (lambda t: t.to(wire))
     slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
     longest = max(b - a for a, b in chunks)
-    scratch = _scratch(2 * longest, flat).split(longest)  # two: this step's and the next's
+    scratch = _scratch(2 * longest, flat.new_empty(0, dtype=wire)).split(longest)  # two steps'
 
     def post_recvs(step: int):
         c = (rank - step - 2) % size
@@ -371,7 +383,7 @@ def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks) -> None:
 
     c = (rank - 1) % size
     for a, b in slices[c]:
-        comm.isend(flat[a:b], right, 0, "reduce-scatter", c)
+        comm.isend(send(flat[a:b]), right, 0, "reduce-scatter", c)
     recvs = post_recvs(0)
     for step in range(size - 1):
         c = (rank - step - 2) % size
@@ -382,7 +394,7 @@ def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks) -> None:
                 work.wait()
             _combine(flat[a:b], scratch[step % 2][a - base : b - base], op)
             if step + 1 < size - 1:  # forward the freshly reduced slice straight away
-                comm.isend(flat[a:b], right, step + 1, "reduce-scatter", c)
+                comm.isend(send(flat[a:b]), right, step + 1, "reduce-scatter", c)
         recvs = nxt
     comm.wait_all()
 
@@ -407,10 +419,17 @@ def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) ->
     comm.wait_all()
 
 
-def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
+def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None) -> None:
     chunks = _split(flat.numel(), comm.size)
-    _ring_reduce_scatter(comm, flat, op, chunks)
-    _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)
+    _ring_reduce_scatter(comm, flat, op, chunks, wire)
+    if wire is None or wire == flat.dtype:
+        _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)
+        return
+    # The reduced chunks go round as they travel: rounded to the wire dtype, the owner's own
+    # chunk included, so that every rank ends with the same bits.
+    low = flat.to(wire)
+    _ring_all_gather(comm, low, chunks, step0=comm.size - 1)
+    flat.copy_(low)
 
 
 def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
@@ -484,13 +503,24 @@ _ALL_REDUCE = {
 
 
 def all_reduce(
-    tensor: torch.Tensor, op=ReduceOp.SUM, group=None, algorithm: str = "ring", check: bool = True
+    tensor: torch.Tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    algorithm: str = "ring",
+    check: bool = True,
+    transfer_dtype: torch.dtype | None = None,
 ) -> None:
-    """Reduce ``tensor`` over the ranks of ``group`` with ``op``; every rank gets the result."""
+    """Reduce ``tensor`` over the ranks of ``group`` with ``op``; every rank gets the result.
+
+    ``transfer_dtype`` (ring only, a floating tensor): send chunks in that dtype, e.g.
+    ``torch.bfloat16``, and add them up in ``tensor``'s own precision.
+    """
     _check_tensor(tensor)
     _check_op(op, tensor.dtype)
     if algorithm not in _ALL_REDUCE:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if transfer_dtype is not None:
+        _check_transfer_dtype(transfer_dtype, tensor.dtype, op, algorithm)
     comm = _Comm(group, "all_reduce")
     if not comm.member():
         return
@@ -499,9 +529,21 @@ def all_reduce(
     if comm.size == 1 or tensor.numel() == 0:
         return
     flat = _flat(tensor)
-    _ALL_REDUCE[algorithm](comm, flat, op)
+    if transfer_dtype is None:
+        _ALL_REDUCE[algorithm](comm, flat, op)
+    else:
+        _ring_all_reduce(comm, flat, op, wire=transfer_dtype)
     _finish_avg(flat, op, comm.size)
     _write_back(tensor, flat)
+
+
+def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: str) -> None:
+    if algorithm != "ring":
+        raise ValueError(f"transfer_dtype is a ring option; algorithm={algorithm!r} sends as is")
+    if not (wire.is_floating_point and dtype.is_floating_point) or wire not in _DTYPES:
+        raise TypeError(f"transfer_dtype={wire} for a {dtype} tensor: both must be floating")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"transfer_dtype rounds partial sums: op must be SUM or AVG, got {op}")
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, check: bool = True) -> None:

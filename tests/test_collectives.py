@@ -292,3 +292,93 @@ def test_unknown_algorithm_and_dtype_are_refused_before_any_message():
         C.all_reduce(torch.ones(2), algorithm="butterfly")
     with pytest.raises(TypeError, match="dtype torch.int8"):
         C.all_reduce(torch.ones(2, dtype=torch.int8))
+
+
+# --------------------------------------------------------------------------- reduced-precision ring
+
+WIRES = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # dtype -> unit roundoff
+
+
+def _transfer_dtype_errors() -> dict:
+    """The ring with chunks sent in bf16 / fp16 against float64, fp32 and torch's own bf16 / fp16
+    all-reduce, with the bytes each sends."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures, errors = [], {}
+    n = 3 * C.RING_SLICE_BYTES // 4 * p + 5  # several slices per chunk
+    inputs = [_input(r, n, torch.float32, "SUM", salt=4) for r in range(p)]
+    want, scale = _reference(inputs, "SUM")
+    for wire, u in WIRES.items():
+        for op_name in ("SUM", "AVG"):
+            op = OPS[op_name]
+            div = p if op_name == "AVG" else 1
+            ours = inputs[rank].clone()
+            with C.recording() as sends:
+                C.all_reduce(ours, op=op, transfer_dtype=wire)
+            err = (ours.double() - want / div).abs()
+            # p - 1 roundings of partial sums on the way round, one of the result, fp32 sums
+            bound = (p * u + p * torch.finfo(torch.float32).eps) * scale / div
+            if not bool((err <= bound).all()):
+                failures.append(f"rank {rank}: {wire} {op_name} beyond p*u*sum|x|")
+            everyone = [torch.empty_like(ours) for _ in range(p)]
+            dist.all_gather(everyone, ours)
+            if not all(torch.equal(e, ours) for e in everyone):
+                failures.append(f"rank {rank}: {wire} {op_name}: ranks differ")
+            if ours.dtype != torch.float32:
+                failures.append(f"rank {rank}: result is {ours.dtype}")
+            theirs = inputs[rank].to(wire)  # torch's way: the whole tensor cast, summed in it
+            dist.all_reduce(theirs, op=op)
+            errors[wire, op_name] = {
+                "ours": (err / (scale / div)).mean().item(),
+                "torch": ((theirs.double() - want / div).abs() / (scale / div)).mean().item(),
+                "bytes": sum(s.nbytes for s in sends),
+            }
+    fp32 = inputs[rank].clone()
+    with C.recording() as sends:
+        C.all_reduce(fp32)
+    errors["fp32"] = {
+        "ours": ((fp32.double() - want).abs() / scale).mean().item(),
+        "bytes": sum(s.nbytes for s in sends),
+    }
+    return {"failures": failures, "errors": errors}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_with_reduced_precision_transfer(world):
+    results = run(_transfer_dtype_errors, world, timeout=100)
+    assert [f for r in results for f in r["failures"]] == []
+    errors = results[0]["errors"]
+    for wire in WIRES:
+        for op_name in ("SUM", "AVG"):
+            e = errors[wire, op_name]
+            if world == 1:  # nothing is sent, nothing is rounded
+                assert e["ours"] == 0 and e["bytes"] == 0
+                continue
+            # exactly half the bytes of the fp32 ring, and really rounded on the way
+            assert 2 * e["bytes"] == errors["fp32"]["bytes"]
+            assert e["ours"] > 10 * errors["fp32"]["ours"]
+            # summing in fp32 beats summing in the wire dtype, as torch's cast-then-reduce does
+            assert e["ours"] < e["torch"], (wire, op_name, e)
+
+
+def _transfer_dtype_misuse(case):
+    x = torch.ones(8) if case != "int" else torch.ones(8, dtype=torch.int64)
+    kwargs = {"transfer_dtype": torch.bfloat16}
+    if case == "tree":
+        kwargs["algorithm"] = "tree"
+    if case == "max":
+        kwargs["op"] = ReduceOp.MAX
+    C.all_reduce(x, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("tree", ValueError, "transfer_dtype is a ring option"),
+        ("int", TypeError, "both must be floating"),
+        ("max", ValueError, "op must be SUM or AVG"),
+    ],
+)
+def test_transfer_dtype_misuse_is_refused_before_any_message(case, error, message):
+    with pytest.raises(error, match=message):
+        _transfer_dtype_misuse(case)
