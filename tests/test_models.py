@@ -95,10 +95,24 @@ def test_mlp_shapes_and_layers() -> None:
         ({"in_channels": 3, "width": 8}, (4, 3, 32, 32), 10),  # CIFAR
     ],
 )
-def test_cnn_shapes(kwargs: dict, shape: tuple[int, ...], classes: int) -> None:
+def test_cnn_computes_what_its_docstring_says(kwargs: dict, shape: tuple, classes: int) -> None:
+    """Two 3x3 conv blocks (the second with stride 2), a 4x4 average pool and a linear head, for
+    every input size: the model equals the same layers written out with torch.nn.functional."""
     model = cnn(seed=0, **kwargs)
     assert isinstance(model, CNN)
-    assert model(torch.rand(shape)).shape == (shape[0], classes)
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(1))
+    conv1, _, conv2, _, _, _, head = model.layers
+    image = x.view(-1, 1, 8, 8) if x.dim() == 2 else x
+    h = F.relu(F.conv2d(image, conv1.weight, conv1.bias, padding=1))  # (N, w, H, W)
+    h = F.relu(F.conv2d(h, conv2.weight, conv2.bias, stride=2, padding=1))  # (N, 2w, H/2, W/2)
+    assert h.shape[-2:] == tuple((side + 1) // 2 for side in image.shape[-2:])
+    h = F.adaptive_avg_pool2d(h, 4).flatten(1)  # (N, 2w*16)
+    want = F.linear(h, head.weight, head.bias)
+    got = model(x)
+    assert got.shape == (shape[0], classes)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # and the output depends on the input: a different image, different logits
+    assert not torch.allclose(model(torch.rand(shape)), got)
 
 
 def test_cnn_flat_input_is_the_square_image() -> None:
