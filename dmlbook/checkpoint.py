@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel import average_gradients, broadcast_parameters
 from dmlbook.datasets import shard_indices
 from dmlbook.launch import device
@@ -97,15 +98,8 @@ class Checkpoint:
     rng_restored: bool  # whether this rank's RNG state came from the checkpoint
 
 
-def _world(group=None) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) outside any process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def _barrier(group=None) -> None:
-    if _world(group)[1] > 1:
+    if group_rank_size(group)[1] > 1:
         dist.barrier(group=group)  # communication
 
 
@@ -185,7 +179,7 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def _gather_rng_states(group=None) -> list[dict[str, torch.Tensor]] | None:
     """Every rank's RNG state, on rank 0 of ``group`` (None elsewhere): one gather per tensor."""
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     # CUDA's generator matters where the rank computes on a GPU. Every rank must agree (same
     # tensors to gather), so in a group that is "the backend is NCCL"; alone, "CUDA is in use".
     mine = _rng_state(device().type == "cuda" if world > 1 else torch.cuda.is_initialized())
@@ -232,7 +226,7 @@ def save(
     """Collective (chapter 3): every rank's RNG state goes to rank 0, which writes ``path``."""
     extra = {} if extra is None else extra
     _check_plain(extra, "extra")
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     rng = _gather_rng_states(group)  # before anything else can draw a random number
     if rank == 0:
         checkpoint = dict(
@@ -311,7 +305,7 @@ def load(
     model.load_state_dict(checkpoint["model"])  # copies onto the parameters' device
     if optimizer is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     saved_world, rng = checkpoint["world_size"], checkpoint["rng"]
     if saved_world != world:
         what = "restored" if rank < saved_world else "not restored (no such rank was saved)"
@@ -353,7 +347,7 @@ def simulate_crash(at_step: int, rank: int = 0, hard: bool = False) -> Callable[
     """
 
     def hook(progress: Progress) -> None:
-        if progress.step == at_step and _world()[0] == rank:
+        if progress.step == at_step and group_rank_size()[0] == rank:
             if hard:
                 os._exit(17)
             raise SimulatedCrash(f"rank {rank} crashed after step {at_step}, as asked")
@@ -393,7 +387,7 @@ def train_resumable(
     torch RNG seeded with ``seed + rank``: the random augmentation that makes restoring every
     rank's RNG necessary. Only the ``keep`` newest checkpoints are kept.
     """
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     if global_batch < 1 or global_batch % world or global_batch > len(x):
         raise ValueError(f"global_batch={global_batch} must be a multiple of {world}, <= {len(x)}")
     if every < 1 or keep < 1:
@@ -448,7 +442,7 @@ def _save_and_prune(directory, model, optimizer, progress, settings, keep, group
     path = checkpoint_path(directory, progress.step)
     extra = {"settings": settings}
     save(path, model=model, optimizer=optimizer, progress=progress, extra=extra, group=group)
-    if _world(group)[0] == 0:  # only once the new checkpoint is durable
+    if group_rank_size(group)[0] == 0:  # only once the new checkpoint is durable
         for old in sorted(Path(directory).glob("step-*.pt"))[:-keep]:
             old.unlink(missing_ok=True)
 
@@ -484,7 +478,7 @@ def save_sharded(
 
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
-    if _world(group)[0] == 0:
+    if group_rank_size(group)[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a save killed earlier left
     _barrier(group)
     # Keyed by parameter name; a sharded model's tensors are DTensors that know their part.
@@ -492,7 +486,7 @@ def save_sharded(
     state = {"model": model_state, "optimizer": optim_state}
     with _quiet_dcp():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
-    if _world(group)[0] == 0:
+    if group_rank_size(group)[0] == 0:
         old = directory.with_name(f".{directory.name}.old")
         if directory.exists():  # a folder cannot be renamed over a non-empty one
             directory.rename(old)

@@ -40,13 +40,15 @@ ring all-reduce's sends to show which chunk sits where after each step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+
+from dmlbook.comm import trace
+from dmlbook.comm.groups import balanced_blocks
 
 __all__ = [
     "ALGORITHMS",
@@ -85,21 +87,10 @@ class Send:
     chunk: int | None = None  # which chunk of the tensor, for the ring algorithms
 
 
-_recording: list[Send] | None = None
-
-
-@contextmanager
-def recording() -> Iterator[list[Send]]:
-    """Record every message this rank sends inside the block into the yielded list."""
-    global _recording
-    outer, sends = _recording, []
-    _recording = sends
-    try:
-        yield sends
-    finally:
-        _recording = outer
-        if outer is not None:
-            outer.extend(sends)
+def recording() -> AbstractContextManager[list[Send]]:
+    """Record every message this rank sends inside the block into the yielded list
+    (:func:`dmlbook.comm.trace.recording` of :class:`Send` events)."""
+    return trace.recording(Send)
 
 
 def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozenset[int]]]]:
@@ -164,8 +155,8 @@ class _Comm:
         if t.numel() == 0:
             return
         dst = self.global_rank(peer)
-        if _recording is not None and self.tag_base == 0:
-            _recording.append(
+        if self.tag_base == 0:  # the shape check is plumbing, not the algorithm's traffic
+            trace.record(
                 Send(
                     self.collective,
                     phase,
@@ -265,18 +256,6 @@ def _check_same_shape(comm: _Comm, tensor: torch.Tensor, what: str) -> None:
         raise ValueError(f"{comm.collective}: ranks passed different {what} ({found})")
 
 
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """(start, stop) of ``parts`` near-equal chunks of ``n`` elements; the first n % parts are one
-    longer. Chunks may be empty when n < parts."""
-    base, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -354,7 +333,7 @@ def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> Non
 def _ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, int]]:
     n = stop - start
     parts = max(1, min(16, math.ceil(n * element_size / RING_SLICE_BYTES)))
-    return [(start + a, start + b) for a, b in _split(n, parts) if b > a]
+    return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]
 
 
 def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks, wire=None) -> None:
@@ -420,7 +399,7 @@ def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) ->
 
 
 def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None) -> None:
-    chunks = _split(flat.numel(), comm.size)
+    chunks = balanced_blocks(flat.numel(), comm.size)
     _ring_reduce_scatter(comm, flat, op, chunks, wire)
     if wire is None or wire == flat.dtype:
         _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)

@@ -135,10 +135,14 @@ def _split_scales(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def allreduce_hook(state: CompressionState, bucket: dist.GradBucket) -> Future:
-    """fp32 all-reduce then divide: the uncompressed baseline, as torch's default hook."""
-    buffer = bucket.buffer()
-    world = dist.get_world_size(state.group)
-    return _all_reduce(state, buffer).then(lambda fut: fut.value().div_(world))
+    """The bucket's fp32 average: the uncompressed baseline, and what chapter 3's
+    :class:`~dmlbook.data_parallel.BucketedDDP` (like torch's DDP) does without a hook.
+
+    It divides by the world size *before* the sum, as torch's default hook does, so that a sum
+    of low-precision values cannot overflow.
+    """
+    buffer = bucket.buffer().div_(dist.get_world_size(state.group))
+    return _all_reduce(state, buffer)
 
 
 def _cast_hook(dtype: torch.dtype, state: CompressionState, bucket: dist.GradBucket) -> Future:

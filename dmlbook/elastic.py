@@ -55,8 +55,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from dmlbook import checkpoint as ckpt
-from dmlbook import collectives
-from dmlbook.data_parallel import accuracy, linear_scaling
+from dmlbook.data_parallel import accuracy, average_gradients, linear_scaling
 from dmlbook.datasets import EXAMPLES_DIR, load_digits, shard_indices
 from dmlbook.models import mlp
 
@@ -269,9 +268,8 @@ def train_worker(config: ElasticConfig) -> dict | None:
             loss = F.cross_entropy(model(x[idx]), y[idx], reduction="sum") / global_size
             optimizer.zero_grad()
             loss.backward()
-            grads = parameters_to_vector([p.grad for p in model.parameters()])
-            collectives.all_reduce(grads)  # chapter 2's ring all-reduce
-            vector_to_parameters(grads, [p.grad for p in model.parameters()])
+            # the sum is the mean gradient: chapter 2's ring all-reduce
+            average_gradients(model, algorithm="ring", divide_by=1)
             optimizer.step()
             step, position = step + 1, position + global_size
             samples_log.write(json.dumps([step, epoch, idx]) + "\n")

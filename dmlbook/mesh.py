@@ -31,6 +31,7 @@ from torch import nn
 
 from dmlbook import collectives
 from dmlbook import tensor_parallel as tp
+from dmlbook.data_parallel import average_gradients
 from dmlbook.models import CharGPT
 
 __all__ = [
@@ -185,20 +186,11 @@ def train_hybrid(
         optimizer.zero_grad()
         _, loss = model(idx[rows], targets[rows])
         loss.backward()
+        average_gradients(model, mesh.group("dp"), algorithm=algorithm)  # communication
+        global_loss = loss.detach().reshape(1)
         if dp_size > 1:
-            flat = torch.cat(
-                [p.grad.reshape(-1) for p in model.parameters()] + [loss.detach()[None]]
-            )
-            collectives.all_reduce(
-                flat, dist.ReduceOp.AVG, mesh.group("dp"), algorithm, check=False
-            )
-            offset = 0
-            for p in model.parameters():
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-            losses.append(flat[-1].item())
-        else:
-            losses.append(loss.item())
+            collectives.all_reduce(global_loss, dist.ReduceOp.AVG, mesh.group("dp"), algorithm)
+        losses.append(global_loss.item())
         optimizer.step()
     return TrainResult(losses, model)
 

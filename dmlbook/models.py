@@ -10,7 +10,7 @@ Layers that later chapters split are exposed by name: ``MLP.layers`` and ``CNN.l
 ``nn.Sequential`` to cut into pipeline stages), ``CharGPT.blocks`` (an ``nn.ModuleList``) and the
 ``c_attn`` / ``c_proj`` / ``c_fc`` linears that tensor parallelism shards. The factories ``mlp``,
 ``cnn`` and ``char_gpt`` build a model from a seed without touching the caller's RNG, so every rank
-of a distributed run can build the same initial weights.
+of a distributed run can build the same initial weights. ``accuracy`` scores a classifier.
 """
 
 from __future__ import annotations
@@ -259,3 +259,15 @@ def char_gpt(vocab_size: int, seed: int = 0, **kwargs) -> CharGPT:
 def count_parameters(module: nn.Module) -> int:
     """Number of scalars in ``module``'s parameters (shared parameters counted once)."""
     return sum(p.numel() for p in module.parameters())
+
+
+def count_correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """(how many of ``x`` the model classifies as ``y``, how many there are)."""
+    with torch.no_grad():
+        return int((model(x).argmax(dim=-1) == y).sum()), len(y)
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Fraction of ``x`` that ``model`` classifies as ``y`` (every chapter that trains one)."""
+    correct, total = count_correct(model, x, y)
+    return correct / total

@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dmlbook import checkpoint
+from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel import BucketedDDP, NaiveDDP, average_gradients, broadcast_parameters
 from dmlbook.datasets import make_classification, shard_indices
 from dmlbook.models import mlp
@@ -91,12 +92,6 @@ STEP = "dmlbook.step"  # the record_function name that marks one training step i
 WRAPPERS = ("bucketed", "naive", "torch")
 _COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
-
-
-def _world(group=None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 # --------------------------------------------------------------------------- 1. intervals
@@ -307,7 +302,7 @@ def profile_data_parallel(
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {wrapper!r}")
     if steps < 1 or warmup < 0 or batch < 1:
         raise ValueError(f"steps={steps} >= 1, warmup={warmup} >= 0 and batch={batch} >= 1")
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     if world < 2:
         raise ValueError("profile_data_parallel needs a process group of at least 2 ranks")
     model = _wrap(
@@ -375,7 +370,7 @@ class _JobState:
 
     def __init__(self, job: Job, group=None) -> None:
         self.job, self.group = job, group
-        self.rank, self.world = _world(group)
+        self.rank, self.world = group_rank_size(group)
         if job.global_batch % self.world:
             raise ValueError(
                 f"job {job.name!r}: global_batch={job.global_batch} is not a multiple of the "
@@ -496,7 +491,7 @@ def run_multiplexed(
 
 
 def _barrier(group=None) -> None:
-    if _world(group)[1] > 1:
+    if group_rank_size(group)[1] > 1:
         dist.barrier(group=group)
 
 
@@ -545,7 +540,7 @@ def train_job(job: Job, steps: int, checkpoint_dir: str | os.PathLike, group=Non
 
 def job_reference(job: Job, steps: int) -> dict[str, torch.Tensor]:
     """The job trained single-process, outside any process group: the exactness reference."""
-    if _world()[1] != 1:
+    if group_rank_size()[1] != 1:
         raise RuntimeError("job_reference runs outside a process group (world size 1)")
     return run_alone(job, steps).state
 
@@ -658,7 +653,7 @@ def train_heterogeneous(
     ``weighted=False`` averages the ranks' mean-loss gradients, as plain DDP does.
     """
     _check_steps(steps)
-    rank, world = _world(group)
+    rank, world = group_rank_size(group)
     slowdown = [1.0] * world if slowdown is None else [float(s) for s in slowdown]
     if len(slowdown) != world or any(not math.isfinite(s) or s < 1 for s in slowdown):
         raise ValueError(f"slowdown needs {world} factors >= 1, got {slowdown}")
@@ -699,11 +694,8 @@ def train_heterogeneous(
         idx = _union_batch(job.samples, B, step, job.seed)[offset : offset + split[rank]]
         _throttled(slowdown[rank], local_backward, model, x[idx], y[idx], B if weighted else None)
         if world > 1:
-            if weighted:
-                for p in model.parameters():
-                    dist.all_reduce(p.grad, group=group)  # communication: the sum is the answer
-            else:
-                average_gradients(model, group)  # communication
+            # communication: weighted, the sum is the answer; else the mean, as plain DDP
+            average_gradients(model, group, divide_by=1 if weighted else None)
         _sgd_step(model, job.lr)
         step_s.append(time.perf_counter() - start)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

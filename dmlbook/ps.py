@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from dmlbook.comm.groups import balanced_blocks
 from dmlbook.datasets import shard_indices
 from dmlbook.launch import device
 
@@ -115,9 +116,7 @@ def shard_ranges(
     if servers < 1:
         raise ValueError(f"servers must be >= 1, got {servers}")
     if sharding == "flat":
-        n = sum(sizes)
-        bounds = [s * n // servers for s in range(servers + 1)]
-        return [[(bounds[s], bounds[s + 1])] for s in range(servers)]
+        return [[block] for block in balanced_blocks(sum(sizes), servers)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     owner = assign_shards(sizes, servers)
     return [

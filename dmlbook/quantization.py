@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dmlbook.datasets import load_digits
-from dmlbook.models import MLP, mlp
+from dmlbook.models import MLP, accuracy, mlp
 
 QMAX = 127  # symmetric int8: -128 is left out so that +-max|w| both map to +-127
 
@@ -263,12 +263,6 @@ def quantization_errors(model: nn.Module, quantized: nn.Module) -> list[TensorEr
             )
         )
     return errors
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Fraction of ``x`` that ``model`` classifies as ``y``."""
-    with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
 def train_digits_mlp(

@@ -26,15 +26,16 @@ how the tests and the notebook prove the split layer computes the same thing.
 All communication goes through chapter 2's :mod:`dmlbook.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
 :class:`dmlbook.mesh.DeviceMesh`). Inside ``with counting() as comms:`` every collective these
-layers run is recorded, so the notebook can count them per layer and pass.
+layers run is recorded (:mod:`dmlbook.comm.trace`), so the notebook can count them per layer and
+pass. Which block of a size each rank holds is :func:`dmlbook.comm.groups.even_block`: sizes must
+divide by the TP size.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dmlbook import collectives
+from dmlbook.comm import trace
+from dmlbook.comm.groups import even_block, group_rank_size
 from dmlbook.models import Block, CausalSelfAttention, CharGPT, FeedForward
 
 __all__ = [
@@ -61,31 +64,11 @@ __all__ = [
     "padded_vocab_size",
     "reduce_from_tensor_parallel",
     "scatter_to_tensor_parallel",
-    "shard_range",
     "vocab_parallel_cross_entropy",
 ]
 
 
 # --------------------------------------------------------------------------- groups and shards
-
-
-def group_rank_size(group=None) -> tuple[int, int]:
-    """This rank's index and the number of ranks in ``group``; (0, 1) outside a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def shard_range(size: int, rank: int, world_size: int, what: str = "size") -> tuple[int, int]:
-    """``[start, stop)`` of rank's contiguous block when ``size`` is cut into ``world_size``
-    equal blocks; ValueError naming both numbers when they do not divide."""
-    if size % world_size:
-        raise ValueError(
-            f"{what}={size} is not divisible by the tensor-parallel size {world_size}; "
-            "choose sizes that divide (pad the vocabulary with padded_vocab_size)"
-        )
-    block = size // world_size
-    return rank * block, (rank + 1) * block
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -110,26 +93,14 @@ class CommRecord:
     group_size: int
 
 
-_counting: list[CommRecord] | None = None
-
-
-@contextmanager
-def counting() -> Iterator[list[CommRecord]]:
-    """Record, into the yielded list, every collective the layers of this module run."""
-    global _counting
-    outer, records = _counting, []
-    _counting = records
-    try:
-        yield records
-    finally:
-        _counting = outer
-        if outer is not None:
-            outer.extend(records)
+def counting() -> AbstractContextManager[list[CommRecord]]:
+    """Record, into the yielded list, every collective the layers of this module run
+    (:func:`dmlbook.comm.trace.recording` of :class:`CommRecord` events)."""
+    return trace.recording(CommRecord)
 
 
 def _note(op: str, direction: str, t: torch.Tensor, size: int) -> None:
-    if _counting is not None:
-        _counting.append(CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
+    trace.record(CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
 
 
 def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -154,7 +125,7 @@ def _all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
 
 def _my_block_last(t: torch.Tensor, group) -> torch.Tensor:
     rank, size = group_rank_size(group)
-    start, stop = shard_range(t.shape[-1], rank, size, "last dimension")
+    start, stop = even_block(t.shape[-1], rank=rank, world_size=size, what="last dimension")
     return t[..., start:stop].contiguous()
 
 
@@ -249,7 +220,9 @@ def _blocks(size: int, parts: int, rank: int, world: int, what: str) -> torch.Te
     if size % parts:
         raise ValueError(f"{what}={size} is not divisible into {parts} fused parts")
     part = size // parts
-    start, stop = shard_range(part, rank, world, f"{what} / {parts}" if parts > 1 else what)
+    start, stop = even_block(
+        part, rank=rank, world_size=world, what=f"{what} / {parts}" if parts > 1 else what
+    )
     return torch.cat([torch.arange(i * part + start, i * part + stop) for i in range(parts)])
 
 
@@ -272,7 +245,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         rank, world = group_rank_size(group)
-        start, stop = shard_range(out_features, rank, world, "out_features")
+        start, stop = even_block(out_features, rank=rank, world_size=world, what="out_features")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.out_range = (start, stop)
@@ -341,7 +314,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         rank, world = group_rank_size(group)
-        start, stop = shard_range(in_features, rank, world, "in_features")
+        start, stop = even_block(in_features, rank=rank, world_size=world, what="in_features")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
         self.in_range = (start, stop)
@@ -427,7 +400,9 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, group=None, dtype=None) -> None:
         super().__init__()
         rank, world = group_rank_size(group)
-        shard_range(n_head, rank, world, "n_head")  # heads must divide, not just channels
+        even_block(
+            n_head, rank=rank, world_size=world, what="n_head"
+        )  # heads must divide, not just channels
         if n_embd % n_head:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
         self.head_size, self.n_head, self.group = n_embd // n_head, n_head, group
@@ -443,7 +418,7 @@ class ParallelSelfAttention(nn.Module):
         """This rank's heads of an unsplit :class:`~dmlbook.models.CausalSelfAttention`."""
         n_embd = attn.c_proj.in_features
         rank, world = group_rank_size(group)
-        shard_range(n_head, rank, world, "n_head")
+        even_block(n_head, rank=rank, world_size=world, what="n_head")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.head_size, layer.n_head, layer.group = n_embd // n_head, n_head, group
@@ -473,7 +448,9 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, dtype=None) -> None:
         super().__init__()
         rank, world = group_rank_size(group)
-        self.vocab_range = shard_range(num_embeddings, rank, world, "num_embeddings")
+        self.vocab_range = even_block(
+            num_embeddings, rank=rank, world_size=world, what="num_embeddings"
+        )
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         rows = self.vocab_range[1] - self.vocab_range[0]
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype))

@@ -45,7 +45,6 @@ checks it against FSDP2.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
@@ -57,6 +56,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from dmlbook import collectives as ch2
+from dmlbook.comm.groups import padded_block, padded_size
 from dmlbook.serving.offload import adam_update_
 
 __all__ = [
@@ -80,17 +80,9 @@ PARTS = ("parameters", "gradients", "optimizer state")
 
 
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The ``[start, stop)`` of a flat buffer of ``numel`` elements that ``rank`` owns: the buffer
-    is padded to ``ceil(numel / world_size) * world_size`` and cut into equal shards, so the last
-    ranks' shards may run into the padding (or lie wholly in it)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not a rank of a world of {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    shard = math.ceil(numel / world_size)
-    return rank * shard, (rank + 1) * shard
+    """The ``[start, stop)`` of a flat buffer of ``numel`` elements that ``rank`` owns:
+    :func:`dmlbook.comm.groups.padded_block` (the notebook's name for it, until it uses that)."""
+    return padded_block(numel, rank=rank, world_size=world_size)
 
 
 # --------------------------------------------------------------------------- Adam on a shard
@@ -160,10 +152,6 @@ def paper_bytes(
     }
 
 
-def _padded(numel: int, world_size: int) -> int:
-    return math.ceil(numel / world_size) * world_size
-
-
 def expected_bytes(
     unit_sizes: Sequence[int], world_size: int, stage: int, element_size: int = 4
 ) -> dict[str, int]:
@@ -172,7 +160,7 @@ def expected_bytes(
     layout: at stages 2 and 3 the full gradient of one unit (the largest) waits for its
     reduce-scatter, and at stage 3 that unit's parameters are gathered at the same time."""
     _check_stage(stage)
-    padded = [_padded(n, world_size) for n in unit_sizes]
+    padded = [padded_size(n, world_size) for n in unit_sizes]
     full, shard, largest = sum(padded), sum(padded) // world_size, max(padded, default=0)
     params = shard + largest if stage == 3 else full
     grads = full if stage <= 1 else shard + largest
@@ -212,8 +200,8 @@ class _Unit:
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
-        self.padded = _padded(self.numel, n)
-        self.start, self.stop = shard_range(self.numel, n, r)
+        self.padded = padded_size(self.numel, n)
+        self.start, self.stop = padded_block(self.numel, rank=r, world_size=n)
         self.full_param: torch.Tensor | None = None  # the whole flat buffer (stage 3: its
         # storage is resized to nothing when freed; the parameters stay views of it)
         self.param_shard: torch.Tensor | None = None  # stage 3: only the own shard is kept

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from dmlbook import compression
 from dmlbook import data_parallel as dp
 from dmlbook.datasets import make_classification
 from dmlbook.launch import run
@@ -204,7 +205,7 @@ def _on_rank():
             model = build()
             ddp = wrap(model)
             if impl == "hook":  # the default average, as a communication hook
-                ddp.register_comm_hook(None, dp.allreduce_hook)
+                ddp.register_comm_hook(compression.CompressionState(), compression.allreduce_hook)
             _train(ddp, loss_fn, batches, rank, world)
             out[name, impl] = _params(model)
             if impl == "bucketed":

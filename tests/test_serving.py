@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import serving, tuning
+from dmlbook.comm.groups import balanced_blocks
 from dmlbook.launch import RankError, run
 from dmlbook.models import mlp
 
@@ -50,7 +51,7 @@ def test_predict_and_search_equal_one_process(world):
         torch.testing.assert_close(r["all"], reference, rtol=1e-6, atol=1e-6)
         if world > 1:  # fewer inputs than ranks: the last rank serves nothing, order still holds
             torch.testing.assert_close(r["few"], reference[: world - 1], rtol=1e-6, atol=1e-6)
-        start, stop = serving.shard_bounds(INPUTS, rank, world)
+        start, stop = balanced_blocks(INPUTS, world)[rank]
         torch.testing.assert_close(r["mine"], reference[start:stop], rtol=1e-6, atol=1e-6)
         sizes.append(len(r["mine"]))
         assert r["search"].scores == expected.scores
@@ -58,16 +59,6 @@ def test_predict_and_search_equal_one_process(world):
     assert sum(sizes) == INPUTS and max(sizes) - min(sizes) <= 1
     ran = sorted(i for r in results for i in r["search"].ran_here)
     assert ran == list(range(len(CONFIGS)))  # every trial ran exactly once
-
-
-def test_shard_bounds_cover_the_inputs_in_order():
-    for n in (0, 1, 5, 37):
-        for world in (1, 2, 3, 4, 5):
-            bounds = [serving.shard_bounds(n, r, world) for r in range(world)]
-            assert bounds[0][0] == 0 and bounds[-1][1] == n
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
-    with pytest.raises(ValueError, match="not in a world"):
-        serving.shard_bounds(5, 3, 3)
 
 
 def _nan_trial():

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import tensor_parallel as tp
+from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import run
 from dmlbook.models import GPTConfig, char_gpt
 
@@ -44,7 +45,7 @@ def _grads_as_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _layer_checks() -> dict:
     """Every rank: each layer against its unsplit counterpart; returns max errors and counts."""
-    rank, world = tp.group_rank_size()
+    rank, world = group_rank_size()
     torch.manual_seed(0)  # the unsplit layers below must be the same on every rank
     g = torch.Generator().manual_seed(0)
     x_full = torch.randn(BATCH, SEQ, C, generator=g, dtype=torch.float64)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import zero
+from dmlbook.comm.groups import padded_size
 from dmlbook.launch import run
 from dmlbook.models import mlp
 
@@ -148,11 +149,11 @@ def test_memory_per_rank_is_the_papers_formula_plus_padding_and_one_unit(world_s
             # the paper's formula (8-byte elements here, so K = 2 moments x 8 bytes) on the
             # padded count Psi', plus one unit in flight: its gradient at stages 2 and 3, and
             # its gathered parameters at stage 3
-            padded = sum(zero._padded(n, world_size) for n in UNITS)
+            padded = sum(padded_size(n, world_size) for n in UNITS)
             assert padded - psi <= len(UNITS) * (world_size - 1)
             paper = zero.paper_bytes(padded, world_size, stage, k=2 * F64, param_bytes=F64,
                                      grad_bytes=F64)  # fmt: skip
-            largest = max(zero._padded(n, world_size) for n in UNITS) * F64
+            largest = max(padded_size(n, world_size) for n in UNITS) * F64
             paper["parameters"] += largest if stage == 3 else 0
             paper["gradients"] += largest if stage >= 2 else 0
             assert peak == paper, (stage, peak, paper)
@@ -178,7 +179,7 @@ def test_bytes_through_the_collectives(world_size):
     """Stages 0-2 move the model twice per step (all-reduce, or reduce-scatter + all-gather),
     stage 3 three times (two all-gathers and a reduce-scatter): 1.5x. Counted twice: the bytes
     handed to the collectives, and the bytes chapter 2's ring actually sent."""
-    padded = sum(zero._padded(n, world_size) for n in UNITS) * F64
+    padded = sum(padded_size(n, world_size) for n in UNITS) * F64
     for rank in results(world_size):
         for path in ("torch", "dmlbook"):
             passed = [rank[stage, path]["passed_bytes"] for stage in zero.STAGES]

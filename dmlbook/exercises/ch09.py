@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from dmlbook import tensor_parallel
+from dmlbook.comm.groups import even_block
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_tp_communication", "check_weight_shard"]
@@ -28,7 +29,7 @@ __all__ = ["check_tp_communication", "check_weight_shard"]
 
 def _expected_shard(W: torch.Tensor, rank: int, world: int, split: str) -> torch.Tensor:
     dim = 1 if split == "column" else 0
-    start, stop = tensor_parallel.shard_range(W.shape[dim], rank, world)
+    start, stop = even_block(W.shape[dim], rank=rank, world_size=world)
     return W[:, start:stop] if split == "column" else W[start:stop, :]
 
 

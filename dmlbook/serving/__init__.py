@@ -2,7 +2,7 @@
 (chapter 8, "Achieving higher throughput and lower latency").
 
 - ``data_parallel``: :func:`predict` splits the requests over the ranks and gathers the outputs
-  in order; :func:`shard_bounds` says which slice each rank serves (chapter 3).
+  in order, each rank serving its block of ``comm.groups.balanced_blocks`` (chapter 3).
 - ``layers``: a model seen as a plain list of layers, the unit that chapter 8 freezes, streams
   from disk and decomposes.
 - ``freezing``: frozen layers compute no weight gradient and, as a prefix, save no activation.
@@ -21,7 +21,7 @@ from dmlbook.serving import (
     offload,
     reduced_precision,
 )
-from dmlbook.serving.data_parallel import predict, shard_bounds
+from dmlbook.serving.data_parallel import predict
 
 __all__ = [
     "distillation",
@@ -31,5 +31,4 @@ __all__ = [
     "offload",
     "predict",
     "reduced_precision",
-    "shard_bounds",
 ]

@@ -3,7 +3,8 @@
 Chapter 3 ends its pipeline with serving a trained model. Inference needs no gradient and no
 model synchronisation: every rank holds the same frozen model, takes a contiguous slice of the
 inputs, and runs it alone. The only communication is collecting the outputs, in input order, at
-the end. :func:`predict` is that; :func:`shard_bounds` says which slice each rank serves.
+the end. :func:`predict` is that; each rank serves its block of
+:func:`dmlbook.comm.groups.balanced_blocks`, so the gathered outputs keep the input order.
 (Chapter 7 adds model-parallel serving; chapter 8 makes the model itself cheaper to serve.)
 """
 
@@ -13,17 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["predict", "shard_bounds"]
+from dmlbook.comm.groups import balanced_blocks, group_rank_size
 
-
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``(start, stop)`` of rank's contiguous slice of ``n`` inputs; the first ``n % world_size``
-    ranks take one more. Contiguous slices keep the gathered outputs in input order."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+__all__ = ["predict"]
 
 
 @torch.no_grad()
@@ -35,9 +28,8 @@ def predict(
     is plain batched inference: the single-process reference."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    start, stop = shard_bounds(len(x), rank, world)
+    rank, world = group_rank_size(group)
+    start, stop = balanced_blocks(len(x), world)[rank]
     was_training = model.training
     model.eval()
     try:
@@ -54,13 +46,13 @@ def predict(
     if world == 1 or not gather:
         return out
     # All-gather needs equal sizes: pad every slice to the longest, then cut the padding off.
-    longest = shard_bounds(len(x), 0, world)[1]
+    blocks = balanced_blocks(len(x), world)
+    longest = blocks[0][1]  # the first block is the longest
     padded = torch.zeros((longest, *out.shape[1:]), dtype=out.dtype, device=out.device)
     padded[: len(out)] = out
     everyone = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(everyone, padded, group=group)
     pieces = []
-    for r, piece in enumerate(everyone):
-        a, b = shard_bounds(len(x), r, world)
+    for (a, b), piece in zip(blocks, everyone, strict=True):
         pieces.append(piece[: b - a])
     return torch.cat(pieces)

@@ -1,314 +1,37 @@
-"""Data parallelism the plain way: every rank holds the whole model and trains on a shard.
-
-Chapter 1 ("Splitting input data") teaches it with these pieces:
-
-* :func:`average_gradients` is synchronous SGD's model synchronisation: after backward, one
-  all-reduce per parameter gradient, divided by the world size. Every rank then takes the same
-  step, so the ranks stay identical without ever sending parameters.
-* :class:`GradientAveraging` and :class:`ModelAveraging` are the two synchronisation schemes,
-  behind one interface: average gradients every step, or let each rank take ``every`` local steps
-  and then average the parameters (periodic model averaging, also called local SGD).
-* :func:`train` is the training loop. It is the single-process loop plus one ``sync`` call; at
-  world size 1, outside any process group, it *is* the single-process reference. Because
-  :func:`~dmlbook.datasets.shard_indices` splits each epoch's permutation with a stride, the
-  ranks' t-th local batches together are exactly the t-th global batch of the single-process run.
-* :func:`linear_scaling` and :func:`warmup` are the learning-rate rules for a larger global batch
-  (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
-
-Chapter 3 ("A data-parallel training and serving pipeline") adds a readable DDP:
+"""A readable DDP: torch's DistributedDataParallel written from scratch (chapter 3).
 
 * :class:`BucketedDDP` (alias ``DistributedDataParallel``) is torch's DDP written from scratch:
   gradients are grouped into buckets, each bucket's all-reduce starts *during* backward as soon
   as its last gradient is ready, and a callback queued in the autograd engine waits for them all
   at the end of backward. It has torch's ``no_sync``, ``find_unused_parameters`` and
   ``register_comm_hook``, and its tests check it against torch's DDP.
-* :class:`NaiveDDP` is chapter 1's :func:`average_gradients` behind the same interface: one
-  blocking all-reduce per parameter after backward, so a notebook (and ``python -m dmlbook.bench
-  ddp``) can set the two side by side.
-* :func:`train` also takes either wrapper (or torch's DDP), shows a progress bar on rank 0, and
-  scores the test set with :func:`sharded_accuracy`: each rank scores its share, one all-reduce
-  adds up the counts.
+* :class:`NaiveDDP` is chapter 1's :func:`~dmlbook.data_parallel.average_gradients` behind the
+  same interface: one blocking all-reduce per parameter after backward, so a notebook (and
+  ``python -m dmlbook.bench ddp``) can set the two side by side.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Variable
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from tqdm.auto import tqdm
 
-from dmlbook.datasets import shard_indices
+from dmlbook.data_parallel.averaging import average_gradients, broadcast_parameters
 
 __all__ = [
-    "average_gradients",
-    "average_parameters",
-    "broadcast_parameters",
-    "GradientAveraging",
-    "ModelAveraging",
-    "History",
-    "train",
-    "accuracy",
-    "sharded_accuracy",
-    "linear_scaling",
-    "warmup",
-    "CommStats",
-    "GradBucket",
-    "assign_buckets",
-    "allreduce_hook",
     "BucketedDDP",
+    "CommStats",
     "DistributedDataParallel",
+    "GradBucket",
     "NaiveDDP",
+    "assign_buckets",
 ]
-
-
-def _world(group=None) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) outside any process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
-def average_gradients(model: nn.Module, group=None) -> None:
-    """Replace each gradient by its mean over the ranks: one all-reduce per parameter (naive)."""
-    _, world = _world(group)
-    if world == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)  # communication
-            p.grad /= world  # gloo has no AVG, so sum then divide
-
-
-def average_parameters(model: nn.Module, group=None) -> None:
-    """Replace each parameter by its mean over the ranks (model averaging)."""
-    _, world = _world(group)
-    if world == 1:
-        return
-    with torch.no_grad():
-        for p in model.parameters():
-            dist.all_reduce(p, op=dist.ReduceOp.SUM, group=group)  # communication
-            p /= world
-
-
-def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
-    """Copy rank ``src``'s parameters and buffers to every rank, so that all start identical."""
-    if _world(group)[1] == 1:
-        return
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t, src=src, group=group)  # communication
-
-
-# --------------------------------------------------------------------------- sync schemes
-
-
-@dataclass
-class GradientAveraging:
-    """Synchronous SGD: average the gradients after every backward pass."""
-
-    rounds: int = 0  # how many times the ranks communicated
-    floats_sent: int = 0  # how many numbers each rank contributed to all-reduces
-
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        if _world(group)[1] > 1:
-            average_gradients(model, group)
-            self.rounds += 1
-            self.floats_sent += sum(p.numel() for p in model.parameters())
-
-    def after_step(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-    def finish(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-
-@dataclass
-class ModelAveraging:
-    """Periodic model averaging: ``every`` local SGD steps, then average the parameters."""
-
-    every: int = 1
-    rounds: int = 0
-    floats_sent: int = 0
-
-    def __post_init__(self):
-        if self.every < 1:
-            raise ValueError(f"ModelAveraging(every={self.every}): every must be >= 1")
-
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-    def after_step(self, model: nn.Module, step: int, group=None) -> None:
-        if (step + 1) % self.every == 0:
-            self._average(model, group)
-
-    def finish(self, model: nn.Module, step: int, group=None) -> None:
-        if step % self.every != 0:  # local steps left since the last average: end in agreement
-            self._average(model, group)
-
-    def _average(self, model: nn.Module, group) -> None:
-        if _world(group)[1] > 1:
-            average_parameters(model, group)
-            self.rounds += 1
-            self.floats_sent += sum(p.numel() for p in model.parameters())
-
-
-# --------------------------------------------------------------------------- training
-
-
-@dataclass
-class History:
-    """What :func:`train` measured: per-step local loss and lr, test accuracy at evaluations."""
-
-    loss: list[float] = field(default_factory=list)
-    lr: list[float] = field(default_factory=list)
-    eval_steps: list[int] = field(default_factory=list)
-    eval_seconds: list[float] = field(default_factory=list)  # wall time since training began
-    accuracy: list[float] = field(default_factory=list)
-
-
-def _count_correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
-    """(how many of ``x`` the model classifies as ``y``, how many there are)."""
-    with torch.no_grad():
-        return int((model(x).argmax(dim=-1) == y).sum()), len(y)
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Fraction of ``x`` that ``model`` classifies as ``y``."""
-    correct, total = _count_correct(model, x, y)
-    return correct / total
-
-
-def sharded_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, group=None) -> float:
-    """:func:`accuracy` on all of ``(x, y)``, each rank scoring only every world-th sample.
-
-    Chapter 3's sharded evaluation. The shards may differ in length by one: unlike
-    ``DistributedSampler``, nothing is padded with repeated samples, so after one all-reduce of
-    (correct, total) the result is exactly the single-process accuracy. Ranks must hold the
-    same model.
-    """
-    rank, world = _world(group)
-    correct, total = _count_correct(model, x[rank::world], y[rank::world])  # compute: my shard
-    if world > 1:
-        counts = torch.tensor([correct, total], dtype=torch.int64, device=x.device)
-        dist.all_reduce(counts, group=group)  # communication: add up every rank's counts
-        correct, total = counts.tolist()
-    return correct / total
-
-
-class _AveragedInBackward:
-    """The sync scheme of a DDP wrapper: it averaged the gradients during backward already."""
-
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-    after_step = finish = after_backward
-
-
-def train(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    global_batch: int,
-    lr: float | Callable[[int], float],
-    epochs: int = 1,
-    seed: int = 0,
-    sync: GradientAveraging | ModelAveraging | None = None,
-    momentum: float = 0.0,
-    test: tuple[torch.Tensor, torch.Tensor] | None = None,
-    eval_every: int = 0,
-    loss_fn: Callable = F.cross_entropy,
-    group=None,
-    progress: bool = False,
-) -> History:
-    """Data-parallel SGD on this rank's shard of ``(x, y)``; single-process SGD at world size 1.
-
-    ``global_batch`` is summed over the ranks, so each rank takes ``global_batch // world``
-    samples a step. ``lr`` is a number or a function of the step: for a larger global batch,
-    ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``.
-
-    ``model`` may be a DDP wrapper (:class:`BucketedDDP`, :class:`NaiveDDP` or torch's
-    ``DistributedDataParallel``, chapter 3): it averages the gradients during backward, so the
-    loop adds no ``sync``. ``progress`` shows a progress bar on rank 0. Test accuracy is
-    :func:`sharded_accuracy`, except under ``ModelAveraging``, whose ranks hold different
-    models between averages: there each rank scores its own model on the whole test set.
-    """
-    rank, world = _world(group)
-    if global_batch < 1 or global_batch % world:
-        raise ValueError(
-            f"global_batch={global_batch} must be a positive multiple of the world size {world}"
-        )
-    if global_batch > len(x):
-        raise ValueError(f"global_batch={global_batch} is larger than the {len(x)} samples")
-    wrapped = isinstance(model, _DataParallel | TorchDDP)
-    if wrapped and sync is not None:
-        raise ValueError(f"a {type(model).__name__} averages gradients in backward: pass no sync")
-    if wrapped:
-        sync = _AveragedInBackward()
-    else:
-        sync = GradientAveraging() if sync is None else sync
-        broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
-    score = accuracy if isinstance(sync, ModelAveraging) else partial(sharded_accuracy, group=group)
-    lr_at = lr if callable(lr) else (lambda step: lr)
-    local_batch = global_batch // world
-    steps_per_epoch = len(x) // global_batch  # incomplete global batches are dropped
-    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress or rank != 0, desc="train")
-    history, step, start = History(), 0, time.perf_counter()
-    for epoch in range(epochs):
-        shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
-        for t in range(steps_per_epoch):
-            idx = shard[t * local_batch : (t + 1) * local_batch]  # this rank's part of batch t
-            history.lr.append(lr_at(step))
-            for g in opt.param_groups:
-                g["lr"] = history.lr[-1]
-            loss = loss_fn(model(x[idx]), y[idx])  # compute
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # compute (and, in a DDP wrapper, communication)
-            sync.after_backward(model, step, group)  # communication (synchronous SGD)
-            opt.step()
-            sync.after_step(model, step, group)  # communication (model averaging)
-            step += 1
-            history.loss.append(loss.item())
-            bar.update()
-            bar.set_postfix(loss=f"{history.loss[-1]:.3f}", refresh=False)
-            if test is not None and eval_every and step % eval_every == 0:
-                history.eval_steps.append(step)
-                history.eval_seconds.append(time.perf_counter() - start)
-                history.accuracy.append(score(model, *test))
-    bar.close()
-    sync.finish(model, step, group)
-    return history
-
-
-# --------------------------------------------------------------------------- learning rate
-
-
-def linear_scaling(base_lr: float, base_batch: int, global_batch: int) -> float:
-    """The linear scaling rule: k times the batch, k times the learning rate."""
-    if base_batch < 1 or global_batch < 1:
-        raise ValueError("batch sizes must be >= 1")
-    return base_lr * global_batch / base_batch
-
-
-def warmup(peak_lr: float, warmup_steps: int) -> Callable[[int], float]:
-    """Gradual warm-up: ramp linearly to ``peak_lr`` over ``warmup_steps`` steps, then hold."""
-    if warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
-    return lambda step: peak_lr * min(1.0, (step + 1) / warmup_steps)
-
-
-# --------------------------------------------------------------------------- chapter 3: DDP
 
 
 @dataclass
@@ -388,16 +111,6 @@ def _all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.futures.Future[to
     """Start summing ``tensor`` over the ranks in place; returns at once, the future holds it."""
     work = dist.all_reduce(tensor, group=group, async_op=True)  # communication, in the background
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def allreduce_hook(group, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """What :class:`BucketedDDP` does without a hook, as a hook: the bucket's average.
-
-    It divides by the world size *before* the sum, as torch's does (so that a sum of fp16
-    values cannot overflow). Without a hook the division happens while flattening instead,
-    which saves one pass over the bucket.
-    """
-    return _all_reduce_sum(bucket.buffer().div_(dist.get_world_size(group)), group)
 
 
 class _DataParallel(nn.Module):
@@ -550,10 +263,10 @@ class BucketedDDP(_DataParallel):
     used it since the last sync its ``.grad`` is left as it was (None after ``zero_grad``),
     else it gets the average. This is torch's behaviour, checked against it in the tests.
 
-    ``register_comm_hook(state, hook)`` replaces the default average (:func:`allreduce_hook`
-    does the same) with torch's contract; ``stats`` counts what was communicated. Unlike
-    torch, the buckets keep their first layout (torch re-buckets once, in the order the
-    gradients arrived in the first step).
+    ``register_comm_hook(state, hook)`` replaces the default average with torch's contract
+    (chapter 4's :func:`dmlbook.compression.allreduce_hook` is that average, as a hook);
+    ``stats`` counts what was communicated. Unlike torch, the buckets keep their first layout
+    (torch re-buckets once, in the order the gradients arrived in the first step).
     """
 
     def __init__(

@@ -1,0 +1,78 @@
+"""A rank's place in a group, and the block of a size that each rank of the group owns.
+
+Every parallelism cuts something over the ranks of a group: samples (chapter 3's serving), the
+flat parameter vector (chapter 2's parameter server, chapter 9b's ZeRO), a weight matrix's rows
+or columns (chapter 9's tensor parallelism), a ring's chunks (chapter 2). There are three ways,
+one function each, with ``rank`` and ``world_size`` keyword-only so that they cannot be swapped:
+
+* :func:`even_block`: equal blocks, and a ValueError when the size does not divide (a weight
+  matrix split for tensor parallelism must split exactly);
+* :func:`balanced_blocks`: near-equal blocks of any size, the first ``size % parts`` one longer
+  (samples to serve, a ring's chunks);
+* :func:`padded_block`: equal blocks of a buffer padded to a multiple of the world size, so the
+  last ranks' blocks may run into the padding (ZeRO's flat shards, as FSDP1 pads them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+__all__ = ["balanced_blocks", "even_block", "group_rank_size", "padded_block", "padded_size"]
+
+
+def group_rank_size(group=None) -> tuple[int, int]:
+    """This rank's index and the number of ranks in ``group``; (0, 1) outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check(size: int, rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not a rank of a world of {world_size}")
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+
+
+def even_block(size: int, *, rank: int, world_size: int, what: str = "size") -> tuple[int, int]:
+    """``[start, stop)`` of rank's block when ``size`` is cut into ``world_size`` equal blocks;
+    a ValueError naming ``what`` and both numbers when they do not divide."""
+    _check(size, rank, world_size)
+    if size % world_size:
+        raise ValueError(
+            f"{what}={size} is not divisible by the {world_size} ranks it is split over; "
+            "choose sizes that divide (or pad them, as padded_vocab_size does a vocabulary)"
+        )
+    block = size // world_size
+    return rank * block, (rank + 1) * block
+
+
+def balanced_blocks(size: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of ``parts`` contiguous near-equal blocks of ``size``; the first
+    ``size % parts`` are one longer, and blocks are empty when ``size < parts``."""
+    _check(size, 0, parts)
+    base, extra = divmod(size, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def padded_size(size: int, world_size: int) -> int:
+    """``size`` rounded up to a multiple of ``world_size``: what :func:`padded_block` cuts."""
+    return math.ceil(size / world_size) * world_size
+
+
+def padded_block(size: int, *, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of rank's block of a buffer of ``size`` elements padded to
+    :func:`padded_size` and cut into equal blocks: the last ranks' blocks may run into the
+    padding, or lie wholly in it."""
+    _check(size, rank, world_size)
+    block = math.ceil(size / world_size)
+    return rank * block, (rank + 1) * block

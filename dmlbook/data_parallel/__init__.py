@@ -1,0 +1,53 @@
+"""Data parallelism: every rank holds the whole model and trains on a shard (chapters 1-3).
+
+* ``averaging``: :func:`average_gradients` (synchronous SGD's model synchronisation, the one
+  gradient average every chapter uses), parameter averaging, the two sync schemes (chapter 1)
+* ``loop``: :func:`train`, the data-parallel training loop, and the learning-rate rules for a
+  larger global batch (chapters 1 and 3)
+* ``ddp``: :class:`BucketedDDP` (torch's DDP from scratch) and :class:`NaiveDDP` (chapter 3)
+* ``ps``: a sharded parameter server, synchronous, bounded-staleness or asynchronous (chapter 2)
+* ``checkpoint``: atomic, resumable checkpoints, and DCP sharded ones (chapter 3)
+* ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
+* ``serving``: data-parallel inference (chapter 3); ``tuning``: parallel hyper-parameter search
+
+The names of ``averaging``, ``loop`` and ``ddp`` are importable from here, as
+``from dmlbook import data_parallel as dp; dp.train(...)``.
+"""
+
+from dmlbook.data_parallel.averaging import (
+    GradientAveraging,
+    ModelAveraging,
+    average_gradients,
+    average_parameters,
+    broadcast_parameters,
+)
+from dmlbook.data_parallel.ddp import (
+    BucketedDDP,
+    CommStats,
+    DistributedDataParallel,
+    GradBucket,
+    NaiveDDP,
+    assign_buckets,
+)
+from dmlbook.data_parallel.loop import History, linear_scaling, sharded_accuracy, train, warmup
+from dmlbook.models import accuracy
+
+__all__ = [
+    "BucketedDDP",
+    "CommStats",
+    "DistributedDataParallel",
+    "GradBucket",
+    "GradientAveraging",
+    "History",
+    "ModelAveraging",
+    "NaiveDDP",
+    "accuracy",
+    "assign_buckets",
+    "average_gradients",
+    "average_parameters",
+    "broadcast_parameters",
+    "linear_scaling",
+    "sharded_accuracy",
+    "train",
+    "warmup",
+]

@@ -1,0 +1,137 @@
+"""Model synchronisation for data parallelism: average the gradients, or the parameters (ch. 1).
+
+* :func:`average_gradients` is synchronous SGD's model synchronisation, and the one gradient
+  average every chapter uses: after backward, each gradient becomes its mean over the ranks
+  (one ``dist.all_reduce`` per parameter, or one flat buffer through chapter 2's collectives
+  with ``algorithm=``). Every rank then takes the same step, so the ranks stay identical
+  without ever sending parameters.
+* :class:`GradientAveraging` and :class:`ModelAveraging` are the two synchronisation schemes,
+  behind one interface: average gradients every step, or let each rank take ``every`` local steps
+  and then average the parameters (periodic model averaging, also called local SGD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmlbook import collectives
+from dmlbook.comm.groups import group_rank_size
+
+__all__ = [
+    "average_gradients",
+    "average_parameters",
+    "broadcast_parameters",
+    "GradientAveraging",
+    "ModelAveraging",
+]
+
+
+def average_gradients(
+    model: nn.Module | Iterable[torch.Tensor],
+    group=None,
+    *,
+    algorithm: str | None = None,
+    divide_by: int | None = None,
+) -> None:
+    """Replace each gradient by its sum over the ranks of ``group`` divided by ``divide_by``
+    (by default the group's size: the mean). Every chapter's data parallelism syncs with it.
+
+    ``algorithm=None`` is chapter 1's naive way: one ``dist.all_reduce`` per parameter.
+    ``algorithm="ring"`` (or ``"tree"``, ``"recursive_doubling"``, ``"naive"``) flattens every
+    gradient into one buffer and reduces it with chapter 2's :func:`dmlbook.collectives.all_reduce`.
+    ``divide_by=1`` keeps the plain sum: right when each rank's loss is already its share of the
+    global batch's mean (chapters 11 and 12, with batches of different sizes).
+    """
+    _, world = group_rank_size(group)
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    grads = [p.grad for p in params if p.grad is not None]
+    divide_by = world if divide_by is None else divide_by
+    if world > 1 and algorithm is None:
+        for grad in grads:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)  # communication
+    elif world > 1 and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numel,)
+        collectives.all_reduce(flat, group=group, algorithm=algorithm)  # communication
+        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(piece.view_as(grad))
+    if divide_by != 1:
+        for grad in grads:
+            grad.div_(divide_by)  # gloo has no AVG, so sum then divide
+
+
+def average_parameters(model: nn.Module, group=None) -> None:
+    """Replace each parameter by its mean over the ranks (model averaging)."""
+    _, world = group_rank_size(group)
+    if world == 1:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p, op=dist.ReduceOp.SUM, group=group)  # communication
+            p /= world
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank, so that all start identical."""
+    if group_rank_size(group)[1] == 1:
+        return
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=src, group=group)  # communication
+
+
+# --------------------------------------------------------------------------- sync schemes
+
+
+@dataclass
+class GradientAveraging:
+    """Synchronous SGD: average the gradients after every backward pass."""
+
+    rounds: int = 0  # how many times the ranks communicated
+    floats_sent: int = 0  # how many numbers each rank contributed to all-reduces
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        if group_rank_size(group)[1] > 1:
+            average_gradients(model, group)
+            self.rounds += 1
+            self.floats_sent += sum(p.numel() for p in model.parameters())
+
+    def after_step(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    def finish(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+
+@dataclass
+class ModelAveraging:
+    """Periodic model averaging: ``every`` local SGD steps, then average the parameters."""
+
+    every: int = 1
+    rounds: int = 0
+    floats_sent: int = 0
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"ModelAveraging(every={self.every}): every must be >= 1")
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    def after_step(self, model: nn.Module, step: int, group=None) -> None:
+        if (step + 1) % self.every == 0:
+            self._average(model, group)
+
+    def finish(self, model: nn.Module, step: int, group=None) -> None:
+        if step % self.every != 0:  # local steps left since the last average: end in agreement
+            self._average(model, group)
+
+    def _average(self, model: nn.Module, group) -> None:
+        if group_rank_size(group)[1] > 1:
+            average_parameters(model, group)
+            self.rounds += 1
+            self.floats_sent += sum(p.numel() for p in model.parameters())

@@ -1,0 +1,57 @@
+"""dmlbook.comm.groups: a rank's place in a group, and the three ways a size is cut over ranks."""
+
+import pytest
+
+from dmlbook.comm.groups import (
+    balanced_blocks,
+    even_block,
+    group_rank_size,
+    padded_block,
+    padded_size,
+)
+
+
+def test_outside_a_process_group_a_rank_is_alone():
+    assert group_rank_size() == (0, 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_balanced_blocks_tile_the_size_in_order(world):
+    for size in (0, 1, world - 1, 5, 37, 1000 + world):
+        blocks = balanced_blocks(size, world)
+        assert len(blocks) == world and blocks[0][0] == 0 and blocks[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        lengths = [b - a for a, b in blocks]
+        assert max(lengths) - min(lengths) <= 1
+        assert lengths == sorted(lengths, reverse=True)  # the longer ones come first
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_even_blocks_need_exact_division(world):
+    size = 12 * world
+    blocks = [even_block(size, rank=r, world_size=world) for r in range(world)]
+    assert blocks == balanced_blocks(size, world)  # when it divides, the two agree
+    if world > 1:
+        with pytest.raises(ValueError, match=rf"n_head={size + 1} is not divisible by the {world}"):
+            even_block(size + 1, rank=0, world_size=world, what="n_head")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_padded_blocks_are_equal_and_cover_the_padding(world):
+    for size in (0, 1, 5, 55, 64):
+        blocks = [padded_block(size, rank=r, world_size=world) for r in range(world)]
+        assert blocks[0][0] == 0 and blocks[-1][1] == padded_size(size, world)
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        assert len({b - a for a, b in blocks}) == 1
+        assert padded_size(size, world) - size < world  # never a whole block of padding more
+    assert padded_block(55, rank=2, world_size=3) == (38, 57)  # 55 -> 57, two of padding
+
+
+@pytest.mark.parametrize("fn", [even_block, padded_block])
+def test_bad_ranks_and_worlds_are_refused(fn):
+    with pytest.raises(ValueError, match="rank 3 is not a rank of a world of 3"):
+        fn(6, rank=3, world_size=3)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        fn(6, rank=0, world_size=0)
+    with pytest.raises(TypeError):
+        fn(6, 0, 3)  # rank and world_size are keyword-only: they cannot be swapped
