@@ -57,7 +57,7 @@ from torch.autograd import Variable
 
 from dmlbook import collectives
 from dmlbook.comm.groups import padded_block, padded_size
-from dmlbook.serving.offload import adam_update_
+from dmlbook.optim import adam_update_
 
 __all__ = [
     "STAGES",
@@ -88,7 +88,7 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- Adam on a shard
 
 
-# One Adam update, in place and elementwise: chapter 8's ``adam_update_`` (the same order of
+# One Adam update, in place and elementwise: :func:`dmlbook.optim.adam_update_` (the same order of
 # operations as torch.optim.Adam). Elementwise is what lets each ZeRO rank step only its shard and
 # still match an optimizer that sees every parameter.
 
