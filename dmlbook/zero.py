@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dmlbook import collectives
+from dmlbook import collectives as C  # a parameter below is named "collectives"
 from dmlbook.comm.groups import padded_block, padded_size
 from dmlbook.optim import adam_update_
 
@@ -351,7 +351,7 @@ class ZeroDataParallel(nn.Module):
         if self.world_size == 1:
             shard.copy_(full)
         elif self.collectives == "dmlbook":
-            collectives.reduce_scatter(
+            C.reduce_scatter(
                 shard, list(full.chunk(self.world_size)), dist.ReduceOp.AVG, self.group
             )
         else:
@@ -367,7 +367,7 @@ class ZeroDataParallel(nn.Module):
         if shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
             shard = shard.clone()  # a separate send buffer: the output is written while sending
         if self.collectives == "dmlbook":
-            collectives.all_gather(list(full.chunk(self.world_size)), shard, self.group)
+            C.all_gather(list(full.chunk(self.world_size)), shard, self.group)
         else:
             ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             ag(full, shard, group=self.group)
@@ -377,7 +377,7 @@ class ZeroDataParallel(nn.Module):
         if self.world_size == 1:
             return
         if self.collectives == "dmlbook":
-            collectives.all_reduce(full, dist.ReduceOp.AVG, self.group)
+            C.all_reduce(full, dist.ReduceOp.AVG, self.group)
         else:
             dist.all_reduce(full, dist.ReduceOp.AVG, group=self.group)
 
@@ -583,7 +583,7 @@ def train(
             zero.sent_bytes = dict.fromkeys(zero.sent_bytes, 0)
         xs, ys = _local_batch(x, y)
         zero.zero_grad()
-        recording = collectives.recording() if record_sends and last else nullcontext([])
+        recording = C.recording() if record_sends and last else nullcontext([])
         with recording as sent:
             loss = loss_fn(zero(xs), ys)
             loss.backward()
