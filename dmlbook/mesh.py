@@ -13,10 +13,10 @@ in), so each rank creates all of them and keeps the ones it belongs to. The last
 fastest: with ``("dp", "tp")`` the TP groups are neighbouring ranks, which on GPUs are the GPUs of
 one machine, joined by NVLink, as Megatron-LM places them.
 
-:func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a mesh:
-:class:`~dmlbook.tensor_parallel.TensorParallelCharGPT` inside each TP group, the batch split over
-the DP groups, gradients averaged over DP with chapter 2's all-reduce. :func:`train_reference` is
-the single-process run it equals.
+:func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a mesh, parallelised by
+:func:`dmlbook.parallelize.parallelize`: the tensor-parallel plan inside each TP group, the batch
+split over the DP groups, gradients averaged over DP by chapter 3's bucketed DDP.
+:func:`train_reference` is the single-process run it equals.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import collectives
-from dmlbook import tensor_parallel as tp
-from dmlbook.data_parallel import average_gradients
 from dmlbook.models import CharGPT
+from dmlbook.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
 
 __all__ = [
     "DeviceMesh",
@@ -168,13 +166,13 @@ def train_hybrid(
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     mesh: DeviceMesh,
     lr: float = 1e-2,
-    algorithm: str = "ring",
 ) -> TrainResult:
     """DP x TP training on ``mesh`` (dimensions "dp" and "tp"): every rank builds the whole model
-    from the same seed, keeps its TP shard, trains on its DP slice of each batch and averages
-    gradients over its DP group. Returns the global loss per step and this rank's shard."""
+    from the same seed and :func:`~dmlbook.parallelize.parallelize` keeps its TP shard and
+    averages its gradients over its DP group; each rank trains on its DP slice of each batch.
+    Returns the global loss per step and this rank's shard."""
     dp_rank, dp_size = mesh.local_rank("dp"), mesh.size("dp")
-    model = tp.TensorParallelCharGPT(make_model(), group=mesh.group("tp"))
+    model = parallelize(make_model(), mesh, CHAR_GPT_PLAN)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step, (idx, targets) in enumerate(batches):
@@ -185,16 +183,16 @@ def train_hybrid(
         rows = slice(dp_rank * len(idx) // dp_size, (dp_rank + 1) * len(idx) // dp_size)
         optimizer.zero_grad()
         _, loss = model(idx[rows], targets[rows])
-        loss.backward()
-        average_gradients(model, mesh.group("dp"), algorithm=algorithm)  # communication
+        loss.backward()  # compute, and the DP all-reduces overlapped with it
         global_loss = loss.detach().reshape(1)
         if dp_size > 1:
-            collectives.all_reduce(global_loss, dist.ReduceOp.AVG, mesh.group("dp"), algorithm)
+            dist.all_reduce(global_loss, group=mesh.group("dp"))  # communication: for the curve
+            global_loss /= dp_size
         losses.append(global_loss.item())
         optimizer.step()
-    return TrainResult(losses, model)
+    return TrainResult(losses, getattr(model, "module", model))  # the shard, without DDP
 
 
 def shard_of(model: CharGPT, mesh: DeviceMesh) -> nn.Module:
     """This rank's TP shard of an unsplit model (to compare a hybrid run with the reference)."""
-    return tp.TensorParallelCharGPT(model, group=mesh.group("tp"))
+    return tensor_parallel_char_gpt(model, group=mesh.group("tp"))

@@ -203,8 +203,12 @@ class CharGPT(nn.Module):
         logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # mean over B*T tokens
-        return logits, loss
+        return logits, self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the ``B * T`` tokens (tensor parallelism replaces it with one
+        that takes vocabulary-split logits, :class:`dmlbook.parallelize.LossParallel`)."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
     def generate(

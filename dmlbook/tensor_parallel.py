@@ -19,9 +19,10 @@ pair that joins or cuts the last dimension.
 On top of them: :class:`ParallelMLP`, :class:`ParallelSelfAttention` (heads split across the
 ranks, causal), :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy` (the
 softmax's max and sum-exp all-reduced, the target's logit taken from the rank that owns it) and
-:class:`TensorParallelCharGPT`, the char-GPT of :mod:`dmlbook.models` with every block split.
-Each layer has a ``from_...`` constructor that cuts its shard out of an unsplit layer, which is
-how the tests and the notebook prove the split layer computes the same thing.
+:func:`dmlbook.parallelize.tensor_parallel_char_gpt`, the char-GPT of :mod:`dmlbook.models` with
+every block split by a plan. Each layer has a ``from_...`` constructor that cuts its shard out of
+an unsplit layer, which is how the plan applies it and how the tests and the notebook prove the
+split layer computes the same thing.
 
 All communication goes through chapter 2's :mod:`dmlbook.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
@@ -33,7 +34,6 @@ divide by the TP size.
 
 from __future__ import annotations
 
-import copy
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -46,16 +46,14 @@ from torch.nn import functional as F
 from dmlbook import collectives
 from dmlbook.comm import trace
 from dmlbook.comm.groups import even_block, group_rank_size
-from dmlbook.models import Block, CausalSelfAttention, CharGPT, FeedForward
+from dmlbook.models import CausalSelfAttention, FeedForward
 
 __all__ = [
     "ColumnParallelLinear",
     "CommRecord",
-    "ParallelBlock",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
-    "TensorParallelCharGPT",
     "VocabParallelEmbedding",
     "communication_per_step",
     "copy_to_tensor_parallel",
@@ -528,68 +526,6 @@ def vocab_parallel_cross_entropy(
     if reduction == "mean":
         return losses.mean()
     return losses.sum() if reduction == "sum" else losses
-
-
-# --------------------------------------------------------------------------- the char-GPT
-
-
-class ParallelBlock(nn.Module):
-    """A pre-LayerNorm transformer block with attention and MLP tensor-parallel; the LayerNorms
-    are replicated (every rank sees the whole residual stream)."""
-
-    def __init__(self, block: Block, n_head: int, group=None) -> None:
-        super().__init__()
-        self.ln_1 = _copy_module(block.ln_1)
-        self.attn = ParallelSelfAttention.from_attention(block.attn, n_head, group)
-        self.ln_2 = _copy_module(block.ln_2)
-        self.mlp = ParallelMLP.from_feedforward(block.mlp, group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-def _copy_module(module: nn.Module) -> nn.Module:
-    """A replicated layer: every TP rank keeps its own whole copy."""
-    return copy.deepcopy(module)
-
-
-class TensorParallelCharGPT(nn.Module):
-    """This rank's shard of a :class:`~dmlbook.models.CharGPT`, split over ``group``.
-
-    The token embedding is vocab-parallel, each block is a :class:`ParallelBlock`, ``lm_head`` is
-    column-parallel and the loss is :func:`vocab_parallel_cross_entropy`, so the logits are never
-    gathered. Position embeddings and LayerNorms are replicated. The vocabulary, ``n_head`` and
-    ``4 * n_embd`` must divide by the TP size (pad the vocabulary with :func:`padded_vocab_size`).
-    Dropout is not supported (the tests compare bit for bit with a deterministic model).
-    """
-
-    def __init__(self, model: CharGPT, group=None) -> None:
-        super().__init__()
-        config = model.config
-        if config.dropout:
-            raise ValueError(f"TensorParallelCharGPT needs dropout=0.0, got {config.dropout}")
-        self.config, self.group = config, group
-        self.wte = VocabParallelEmbedding.from_embedding(model.wte, group)
-        self.wpe = _copy_module(model.wpe)
-        self.blocks = nn.ModuleList(ParallelBlock(b, config.n_head, group) for b in model.blocks)
-        self.ln_f = _copy_module(model.ln_f)
-        self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group=group)
-
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logits block (B, T, V / p), mean loss or None)``, as CharGPT returns whole logits."""
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V / p)
-        if targets is None:
-            return logits, None
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
 # --------------------------------------------------------------------------- cost

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import tensor_parallel as tp
+from dmlbook.parallelize import tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import run
 from dmlbook.models import GPTConfig, char_gpt
@@ -157,14 +158,14 @@ def _layer_checks() -> dict:
 
     # The whole char-GPT: loss and every gradient.
     model = reference_gpt()
-    tp_model = tp.TensorParallelCharGPT(model)
+    tp_model = tensor_parallel_char_gpt(model)
     targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     _, loss_full = model(idx, targets)
     with tp.counting() as comms:
         _, loss_tp = tp_model(idx, targets)
         loss_tp.backward()
     loss_full.backward()
-    grads = tp.TensorParallelCharGPT(_grads_as_model(model))
+    grads = tensor_parallel_char_gpt(_grads_as_model(model))
     errors["char_gpt"] = max(
         _err(loss_full, loss_tp),
         *(_err(a, b.grad) for a, b in zip(grads.parameters(), tp_model.parameters(), strict=True)),
@@ -173,11 +174,11 @@ def _layer_checks() -> dict:
     out["numel"]["char_gpt"] = sum(p.numel() for p in tp_model.parameters())
     # The same in float32, the dtype training uses: the 1e-5.
     model = reference_gpt().float()
-    tp_model = tp.TensorParallelCharGPT(model)
+    tp_model = tensor_parallel_char_gpt(model)
     model(idx, targets)[1].backward()
     _, loss_tp = tp_model(idx, targets)
     loss_tp.backward()
-    grads = tp.TensorParallelCharGPT(_grads_as_model(model))
+    grads = tensor_parallel_char_gpt(_grads_as_model(model))
     out["float32_error"] = max(
         _err(model(idx, targets)[1].detach(), loss_tp.detach()),
         *(_err(a, b.grad) for a, b in zip(grads.parameters(), tp_model.parameters(), strict=True)),
@@ -336,4 +337,4 @@ def test_padded_vocab_and_bad_arguments():
     with pytest.raises(ValueError, match="fused parts"):
         tp.ColumnParallelLinear.from_linear(torch.nn.Linear(4, 10), parts=3)
     with pytest.raises(ValueError, match="dropout"):
-        tp.TensorParallelCharGPT(char_gpt(VOCAB, seed=0, dropout=0.1, n_embd=C, n_head=HEADS))
+        tensor_parallel_char_gpt(char_gpt(VOCAB, seed=0, dropout=0.1, n_embd=C, n_head=HEADS))
