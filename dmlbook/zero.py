@@ -70,19 +70,12 @@ __all__ = [
     "expected_bytes",
     "fsdp2_train",
     "paper_bytes",
-    "shard_range",
     "train",
 ]
 
 STAGES = (0, 1, 2, 3)
 COLLECTIVES = ("torch", "dmlbook")
 PARTS = ("parameters", "gradients", "optimizer state")
-
-
-def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The ``[start, stop)`` of a flat buffer of ``numel`` elements that ``rank`` owns:
-    :func:`dmlbook.comm.groups.padded_block` (the notebook's name for it, until it uses that)."""
-    return padded_block(numel, rank=rank, world_size=world_size)
 
 
 # --------------------------------------------------------------------------- Adam on a shard

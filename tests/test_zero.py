@@ -16,6 +16,7 @@ from dmlbook import zero
 from dmlbook.comm.groups import padded_size
 from dmlbook.launch import run
 from dmlbook.models import mlp
+from dmlbook.optim import adam_update_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,8 +96,8 @@ def results(world_size: int) -> list[dict]:
 
 @functools.cache
 def single_process() -> dict[str, torch.Tensor]:
-    """The reference: one process, the whole batch, Adam (:func:`zero.adam_update_`, checked
-    against torch.optim.Adam below; torch.optim itself would import torch._dynamo here)."""
+    """The reference: one process, the whole batch, Adam (:func:`~dmlbook.optim.adam_update_`,
+    checked against torch.optim.Adam below; torch.optim itself would import torch._dynamo here)."""
     model = make_model()
     optimizer = zero._PlainAdam(list(model.parameters()), LR)
     for x, y in batches():
@@ -207,7 +208,7 @@ def _adam_on_slices_and_torch_adam():
         theirs.grad = grad.clone()
         optimizer.step()
         for part in (slice(0, 4), slice(4, 11)):
-            zero.adam_update_(ours[part], grad[part], moments[0][part], moments[1][part], step,
+            adam_update_(ours[part], grad[part], moments[0][part], moments[1][part], step,
                               0.1, 0.9, 0.999, 1e-8, weight_decay=0.01)  # fmt: skip
     return ours, theirs.detach()
 
@@ -217,21 +218,6 @@ def test_adam_step_on_slices_equals_torch_adam():
     (run on the ranks, where torch.optim is imported anyway)."""
     ours, theirs = results(CROSS_CHECK)[0]["adam"]
     torch.testing.assert_close(ours, theirs, **TOL)
-
-
-def test_shard_ranges_cover_the_padded_buffer():
-    for numel in (0, 1, 5, 18, 55, 80):
-        for n in (1, 2, 3, 4):
-            ranges = [zero.shard_range(numel, n, r) for r in range(n)]
-            assert ranges[0][0] == 0 and all(
-                a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)
-            )
-            assert ranges[-1][1] - numel in range(n)  # at most n - 1 padding elements
-            assert len({b - a for a, b in ranges}) == 1  # equal shards
-    assert zero.shard_range(55, 3, 2) == (38, 57)
-    for bad in ((5, 0, 0), (5, 2, 2), (5, 2, -1), (-1, 2, 0)):
-        with pytest.raises(ValueError):
-            zero.shard_range(*bad)
 
 
 def test_bad_input_raises_valueerror():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dmlbook import zero
+from dmlbook.comm.groups import padded_block
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_bytes_per_rank", "check_comm_bytes", "check_shard_range"]
@@ -91,7 +92,7 @@ def check_shard_range(fn: Callable[[int, int, int], tuple[int, int]]) -> str:
         call = f"your shard_range({numel}, world_size={n}, rank=...)"
         with learner_code(call):
             got = [tuple(int(v) for v in fn(numel, n, r)) for r in range(n)]
-        want = [zero.shard_range(numel, n, r) for r in range(n)]
+        want = [padded_block(numel, rank=r, world_size=n) for r in range(n)]
         if got == want:
             continue
         sizes = {b - a for a, b in got}
