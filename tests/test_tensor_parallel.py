@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import tensor_parallel as tp
-from dmlbook.parallelize import tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import run
 from dmlbook.models import GPTConfig, char_gpt
+from dmlbook.parallelize import tensor_parallel_char_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
