@@ -62,6 +62,7 @@ __all__ = [
     "dh_keypair",
     "dirichlet_split",
     "encode",
+    "FedAvgConfig",
     "fedavg",
     "fedavg_reference",
     "iid_split",
@@ -356,39 +357,43 @@ class FedAvgResult:
     uploads: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # unmasked
 
 
-def _check_fedavg(
-    num_clients: int,
-    rounds: int,
-    local_epochs: int,
-    fraction: float,
-    lr: float,
-    batch_size: int | None,
-) -> None:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-    if rounds < 0 or local_epochs < 1:
-        raise ValueError(f"need rounds >= 0 and local_epochs >= 1, got {rounds}, {local_epochs}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 or None (full batch), got {batch_size!r}")
+@dataclass(frozen=True)
+class FedAvgConfig:
+    """What a FedAvg run does, the same for :func:`fedavg` and :func:`fedavg_reference`."""
+
+    num_clients: int  # clients in the federation, hosted round robin on ranks 1..
+    rounds: int  # communication rounds
+    local_epochs: int = 1  # epochs of local SGD a chosen client runs per round (E)
+    lr: float = 0.1  # local SGD's learning rate
+    batch_size: int | None = None  # local mini-batch (B); None: the client's whole data
+    fraction: float = 1.0  # clients sampled per round (C)
+    seed: int = 0  # the client sampling and the local shuffles
+
+    def __post_init__(self) -> None:
+        n = self.num_clients
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_clients must be an integer >= 1, got {n!r}")
+        if self.rounds < 0 or self.local_epochs < 1:
+            raise ValueError(
+                f"need rounds >= 0 and local_epochs >= 1, got {self.rounds}, {self.local_epochs}"
+            )
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(
+                f"batch_size must be >= 1 or None (full batch), got {self.batch_size!r}"
+            )
 
 
 def fedavg(
     model_fn: Callable[[], nn.Module],
     load_client: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    num_clients: int,
-    rounds: int,
+    config: FedAvgConfig,
     *,
-    local_epochs: int = 1,
-    lr: float = 0.1,
-    batch_size: int | None = None,
-    fraction: float = 1.0,
     secure: bool = False,
     evaluate: Callable[[nn.Module], float] | None = None,
-    seed: int = 0,
     record: bool = False,
 ) -> FedAvgResult:
     """FedAvg on every rank of the world (call it on all of them, e.g. via ``launch.run``).
@@ -398,7 +403,7 @@ def fedavg(
     runs on the server after every round. ``secure`` masks every upload so that the server only
     learns the sum. ``record`` keeps every upload received (server) and sent unmasked (clients).
     """
-    _check_fedavg(num_clients, rounds, local_epochs, fraction, lr, batch_size)
+    num_clients, fraction, seed = config.num_clients, config.fraction, config.seed
     if secure and max(1, round(fraction * num_clients)) < 2:
         raise ValueError("secure aggregation needs at least 2 clients per round to mask anything")
     if not dist.is_initialized() or dist.get_world_size() < 2:
@@ -415,7 +420,7 @@ def fedavg(
     seeds = _exchange_keys(mine, result) if secure else {}
     global_flat = parameters_to_vector(model.parameters()).detach().clone()
     size = global_flat.numel() + 1  # n_k * update, then n_k
-    for r in range(rounds):
+    for r in range(config.rounds):
         chosen = sample_clients(num_clients, fraction, r, seed)
         result.sampled.append(chosen)
         with collectives.recording() as sends:
@@ -439,7 +444,7 @@ def fedavg(
         for c in (c for c in chosen if c in data):
             x, y = data[c]
             _load_flat(model, global_flat)
-            local_sgd(model, x, y, local_epochs, lr, batch_size, _local_generator(seed, r, c))
+            _local_round(model, x, y, config, r, c)
             delta = parameters_to_vector(model.parameters()).detach().double() - global_flat
             n = torch.tensor([float(len(x))], dtype=torch.float64, device=here)
             upload = encode(torch.cat([n * delta, n]))
@@ -475,32 +480,31 @@ def _exchange_keys(mine: list[int], result: FedAvgResult) -> dict[int, dict[int,
 # --------------------------------------------------------------------------- the reference
 
 
+def _local_round(model: nn.Module, x, y, config: FedAvgConfig, round_: int, client: int) -> None:
+    """Client ``client``'s local SGD in round ``round_``, with its own shuffling stream."""
+    generator = _local_generator(config.seed, round_, client)
+    local_sgd(model, x, y, config.local_epochs, config.lr, config.batch_size, generator)
+
+
 def fedavg_reference(
     model_fn: Callable[[], nn.Module],
     load_client: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    num_clients: int,
-    rounds: int,
+    config: FedAvgConfig,
     *,
-    local_epochs: int = 1,
-    lr: float = 0.1,
-    batch_size: int | None = None,
-    fraction: float = 1.0,
     evaluate: Callable[[nn.Module], float] | None = None,
-    seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same FedAvg in one process, averaging client states in float64 with weights
     n_k / sum n_k: (final state dict, accuracy after each round)."""
-    _check_fedavg(num_clients, rounds, local_epochs, fraction, lr, batch_size)
     model = model_fn()
-    data = [load_client(c) for c in range(num_clients)]
+    data = [load_client(c) for c in range(config.num_clients)]
     accuracies = []
-    for r in range(rounds):
+    for r in range(config.rounds):
         start = {k: v.clone() for k, v in model.state_dict().items()}
         states, counts = [], []
-        for c in sample_clients(num_clients, fraction, r, seed):
+        for c in sample_clients(config.num_clients, config.fraction, r, config.seed):
             model.load_state_dict(start)
             x, y = data[c]
-            local_sgd(model, x, y, local_epochs, lr, batch_size, _local_generator(seed, r, c))
+            _local_round(model, x, y, config, r, c)
             states.append({k: v.detach().double() for k, v in model.state_dict().items()})
             counts.append(len(x))
         total = sum(counts)

@@ -78,16 +78,18 @@ def _scenarios(num_clients: int) -> dict:
     common = dict(lr=LR, seed=5)
     out = {
         "sampling": [fl.sample_clients(7, 0.4, r, seed=11) for r in range(6)],
-        "iid": fl.fedavg(model_fn, iid, num_clients, ROUNDS, **common),
+        "iid": fl.fedavg(model_fn, iid, fl.FedAvgConfig(num_clients, ROUNDS, **common)),
         "iid_calls": list(iid.calls),
-        "weighted": fl.fedavg(model_fn, unequal, num_clients, ROUNDS, **common),
+        "weighted": fl.fedavg(model_fn, unequal, fl.FedAvgConfig(num_clients, ROUNDS, **common)),
         "weighted_calls": list(unequal.calls),
     }
     for secure in (False, True):  # mini-batches, two local epochs, 60% of the clients per round
+        config = fl.FedAvgConfig(
+            num_clients, ROUNDS, local_epochs=2, batch_size=16, fraction=0.6, **common
+        )
         out["secure" if secure else "plain"] = fl.fedavg(
-            model_fn, unequal, num_clients, ROUNDS, local_epochs=2, batch_size=16,
-            fraction=0.6, secure=secure, record=True, **common,
-        )  # fmt: skip
+            model_fn, unequal, config, secure=secure, record=True
+        )
     return out
 
 
@@ -128,10 +130,10 @@ def test_fedavg_equals_weighted_reference(world_size, num_clients):
     """Mini-batches, E = 2, a sampled 60% of the clients: the same as one process averaging
     client states with weights n_k / sum n_k."""
     results = launched(world_size, num_clients)
-    ref, _ = fl.fedavg_reference(
-        model_fn, UnequalClients(num_clients), num_clients, ROUNDS, local_epochs=2,
-        batch_size=16, fraction=0.6, lr=LR, seed=5,
-    )  # fmt: skip
+    config = fl.FedAvgConfig(
+        num_clients, ROUNDS, local_epochs=2, batch_size=16, fraction=0.6, lr=LR, seed=5
+    )
+    ref, _ = fl.fedavg_reference(model_fn, UnequalClients(num_clients), config)
     got = _server_state(results, "plain")
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-6)
@@ -259,12 +261,14 @@ def test_bad_input_raises_value_error():
         with pytest.raises(ValueError, match="fraction"):
             fl.sample_clients(4, fraction, 0)
         with pytest.raises(ValueError, match="fraction"):
-            fl.fedavg(model_fn, fl.DigitsClients(4), 4, 1, fraction=fraction)
+            fl.FedAvgConfig(4, 1, fraction=fraction)
     with pytest.raises(ValueError, match="at least 2 clients"):
-        fl.fedavg(model_fn, fl.DigitsClients(4), 4, 1, fraction=0.25, secure=True)
+        fl.fedavg(model_fn, fl.DigitsClients(4), fl.FedAvgConfig(4, 1, fraction=0.25), secure=True)
     with pytest.raises(ValueError, match="world_size >= 2"):
-        fl.fedavg(model_fn, fl.DigitsClients(4), 4, 1)  # no process group: no server
+        fl.fedavg(model_fn, fl.DigitsClients(4), fl.FedAvgConfig(4, 1))  # no process group
     with pytest.raises(ValueError, match="lr"):
-        fl.fedavg_reference(model_fn, fl.DigitsClients(4), 4, 1, lr=0)
+        fl.FedAvgConfig(4, 1, lr=0)
     with pytest.raises(ValueError, match="batch_size"):
-        fl.fedavg(model_fn, fl.DigitsClients(4), 4, 1, batch_size=0)
+        fl.FedAvgConfig(4, 1, batch_size=0)
+    with pytest.raises(ValueError, match="num_clients"):
+        fl.FedAvgConfig(True, 1)
