@@ -1,0 +1,126 @@
+"""``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
+a shared classroom server is. N processes spin on the CPU from the session's start to its end;
+the timing claims of the chapters and tests must still hold (or be shown, not asserted).
+
+This file sits at the repository root so that it reaches both tests/ and the chapters' nbval
+items. The spinners run in a session of their own (a Ctrl-C in the terminal does not reach
+them), are killed and reaped when the session ends, and each one exits by itself when pytest's
+process goes away (it polls its parent), so that even a killed pytest leaves none behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Spins, and every ~10 ms checks that the process that started it is still its parent: when
+# pytest dies the spinner is re-parented (to init or a subreaper) and stops.
+SPINNER = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
+class BusyLoad:
+    """N CPU-bound processes, and what they consumed once stopped."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.processes: list[subprocess.Popen] = []
+        self.started = self.wall_s = 0.0
+        self.cpu_s: float | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        for _ in range(self.n):
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", SPINNER],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+
+    def stop(self) -> None:
+        if not self.processes or self.cpu_s is not None:
+            return
+        self.wall_s = time.monotonic() - self.started
+        cpu = 0.0
+        for p in self.processes:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if hasattr(os, "wait4"):
+                _, _, usage = os.wait4(p.pid, 0)  # reaps it and says what it used
+                p.returncode = -signal.SIGKILL
+                cpu += usage.ru_utime + usage.ru_stime
+            else:
+                p.wait()
+        self.cpu_s = cpu if hasattr(os, "wait4") else None
+
+    def summary(self) -> str:
+        line = f"loaded run: {self.n} busy process(es) spun for the session ({self.wall_s:.0f} s)"
+        if self.cpu_s is not None:
+            line += f", using {self.cpu_s:.0f} CPU-seconds ({self.cpu_s / self.wall_s:.2f} cores)"
+        return line
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="load the machine with N CPU-bound processes for the whole session (default 0)",
+    )
+
+
+def pytest_configure(config):
+    config._busy = BusyLoad(max(0, config.getoption("busy")))
+
+
+def pytest_sessionstart(session):
+    busy: BusyLoad = session.config._busy
+    if busy.n:
+        busy.start()
+
+
+def pytest_sessionfinish(session):
+    session.config._busy.stop()  # before the terminal summary, which reports what they used
+
+
+def pytest_unconfigure(config):
+    busy = getattr(config, "_busy", None)
+    if busy is not None:
+        busy.stop()  # in case the session ended without sessionfinish
+
+
+def pytest_report_header(config):
+    if config._busy.n:
+        return f"busy: {config._busy.n} CPU-bound process(es) load the machine for this session"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    busy: BusyLoad = config._busy
+    if busy.n:
+        terminalreporter.section("load")
+        terminalreporter.write_line(busy.summary())
+
+
+@pytest.fixture(scope="session")
+def busy_load(request) -> BusyLoad:
+    """The session's :class:`BusyLoad` (``n == 0`` without ``--busy``)."""
+    return request.config._busy
