@@ -29,7 +29,8 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
    rendezvous and no restart: the server hands each round's global batch to whoever is there.
 
 3. **Elastic serving** (:func:`serve_elastic`): a pool of inference worker processes that an
-   autoscaler grows and shrinks with the measured request rate, with every request's latency.
+   :class:`Autoscaler` grows and shrinks with the measured request rate (a :class:`FixedPool`
+   is the baseline), with every request's latency.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ __all__ = [
     "AdaptiveResult",
     "serve_elastic",
     "ServingReport",
+    "Autoscaler",
+    "FixedPool",
+    "request_schedule",
 ]
 
 
@@ -645,33 +649,118 @@ class ServingReport:
     pids: list[int] = field(default_factory=list)  # every worker process ever started
 
 
+@dataclass(frozen=True)
+class Autoscaler:
+    """Every ``interval`` seconds, measure the arrival rate over the last ``window`` seconds and
+    size the pool to ``ceil(rate x service_s / target_utilization)`` workers, within
+    ``[min_workers, max_workers]``. Below 1, utilisation leaves headroom for bursts."""
+
+    min_workers: int = 1
+    max_workers: int = 4
+    target_utilization: float = 0.7
+    interval: float = 0.2
+    window: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}"
+            )
+        if not 0 < self.target_utilization <= 1 or self.interval <= 0 or self.window <= 0:
+            raise ValueError("need 0 < target_utilization <= 1, and interval, window > 0")
+
+    def workers_for(self, rate: float, service_s: float) -> int:
+        """How many workers serve ``rate`` requests per second at the target utilisation."""
+        want = math.ceil(rate * service_s / self.target_utilization)
+        return min(self.max_workers, max(self.min_workers, want))
+
+
+@dataclass(frozen=True)
+class FixedPool(Autoscaler):
+    """A pool that keeps ``workers`` whatever the rate: the baseline an autoscaler is measured
+    against (it still records the rate it sees every ``interval``)."""
+
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_workers", self.workers)
+        object.__setattr__(self, "max_workers", self.workers)
+        super().__post_init__()
+
+    def workers_for(self, rate: float, service_s: float) -> int:
+        return self.workers
+
+
+def request_schedule(phases: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``(send time, offered rate)`` of every request: evenly spaced within each phase of
+    ``(seconds, requests per second)``."""
+    if not phases or any(s <= 0 or r <= 0 for s, r in phases):
+        raise ValueError(f"phases must be (seconds > 0, rate > 0) pairs, got {list(phases)}")
+    schedule, t = [], 0.0
+    for seconds, rate in phases:
+        schedule += [(t + i / rate, rate) for i in range(max(1, round(seconds * rate)))]
+        t += seconds
+    return schedule
+
+
+class _WorkerPool:
+    """Inference worker processes sharing one request queue; forked from a server that imported
+    torch once. ``grow`` starts one, ``shrink`` asks one to stop after what it holds."""
+
+    def __init__(self, model: nn.Module, service_s: float) -> None:
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "dmlbook.models"])
+        self.requests, self.answers = self.ctx.Queue(), self.ctx.Queue()
+        self.model, self.service_s = model, service_s
+        self.procs: list[mp.process.BaseProcess] = []
+        self.asked: list[float] = []  # when each was asked for (wall clock)
+        self.live = 0  # started and not yet told to stop
+
+    def grow(self) -> None:
+        args = (self.model, self.requests, self.answers, self.service_s)
+        process = self.ctx.Process(target=_inference_worker, args=args)
+        self.asked.append(time.time())
+        process.start()
+        self.procs.append(process)
+        self.live += 1
+
+    def shrink(self) -> None:
+        self.requests.put(None)
+        self.live -= 1
+
+    def resize(self, want: int) -> None:
+        while self.live < want:
+            self.grow()
+        while self.live > want:
+            self.shrink()
+
+    def close(self) -> None:
+        """Stop every worker; kill any that does not stop within 5 s."""
+        for _ in self.procs:
+            self.requests.put(None)
+        for process in self.procs:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 def serve_elastic(
     model: nn.Module,
     inputs: torch.Tensor,
     phases: Sequence[tuple[float, float]],
     *,
     service_s: float = 0.02,
-    min_workers: int = 1,
-    max_workers: int = 4,
-    target_utilization: float = 0.7,
-    interval: float = 0.2,
-    window: float = 0.6,
-    autoscale: bool = True,
+    scaling: Autoscaler | None = None,
 ) -> ServingReport:
     """Serve ``inputs`` (one request per row, cycling) at the rates ``phases`` = [(seconds,
-    requests per second), ...] with a pool of worker processes.
-
-    Every ``interval`` the autoscaler measures the arrival rate over the last ``window`` seconds
-    and sizes the pool to ``ceil(rate x service_s / target_utilization)`` workers, within
-    ``[min_workers, max_workers]``: new processes are started, surplus ones get a stop message
-    (they finish what they hold first). ``autoscale=False`` keeps ``min_workers`` all along.
-    """
-    if not 1 <= min_workers <= max_workers:
-        raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers}, {max_workers}")
-    if not phases or any(s <= 0 or r <= 0 for s, r in phases):
-        raise ValueError(f"phases must be (seconds > 0, rate > 0) pairs, got {list(phases)}")
-    if service_s < 0 or not 0 < target_utilization <= 1 or interval <= 0 or window <= 0:
-        raise ValueError("need service_s >= 0, 0 < target_utilization <= 1, interval, window > 0")
+    requests per second), ...] with a pool of worker processes sized by ``scaling``
+    (:class:`Autoscaler` by default; :class:`FixedPool` never resizes). New workers are
+    started, surplus ones get a stop message and finish what they hold first."""
+    scaling = Autoscaler() if scaling is None else scaling
+    schedule = request_schedule(phases)
+    if service_s < 0:
+        raise ValueError(f"need service_s >= 0, got {service_s}")
     try:  # fail here, clearly, not in every worker process
         with torch.no_grad():
             model(inputs[:1])
@@ -679,41 +768,40 @@ def serve_elastic(
         raise ValueError(
             f"the model cannot answer a request of shape {tuple(inputs[:1].shape)}: {e}"
         ) from e
-    ctx = mp.get_context("forkserver")  # workers fork from a server that imported torch once
-    ctx.set_forkserver_preload(["torch", "dmlbook.models"])
-    requests, answers = ctx.Queue(), ctx.Queue()
-    procs: list[mp.process.BaseProcess] = []
-    asked: list[float] = []
-    model = model.eval()
-    lock = threading.Lock()
-    live = 0  # workers started and not yet told to stop
-
-    def grow() -> None:
-        nonlocal live
-        p = ctx.Process(target=_inference_worker, args=(model, requests, answers, service_s))
-        asked.append(time.time())
-        p.start()
-        procs.append(p)
-        live += 1
-
-    schedule = []  # (send time, rate): requests evenly spaced within each phase
-    t = 0.0
-    for seconds, rate in phases:
-        n = max(1, round(seconds * rate))
-        schedule += [(t + i / rate, rate) for i in range(n)]
-        t += seconds
     n = len(schedule)
-    report = ServingReport(
-        [0.0] * n, [math.nan] * n, torch.empty(0), [0] * n, [r for _, r in schedule]
-    )
+    report = ServingReport([0.0] * n, [math.nan] * n, torch.empty(0), [0] * n,
+                           [rate for _, rate in schedule])  # fmt: skip
     outputs: list[Any] = [None] * n
     up_times: dict[int, float] = {}
-    done = threading.Event()
+    pool = _WorkerPool(model.eval(), service_s)
+    try:
+        for _ in range(scaling.min_workers):
+            pool.grow()
+        while len(up_times) < scaling.min_workers:  # the first pool is warm before the clock
+            _, pid, at = pool.answers.get(timeout=60)  # ("up", pid, wall time)
+            up_times[pid] = at
+        _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times)
+    finally:
+        pool.close()
+    report.answers = torch.from_numpy(np.concatenate(outputs))
+    report.pids = [p.pid for p in pool.procs]
+    report.started = [
+        up_times[p.pid] - a
+        for p, a in zip(pool.procs, pool.asked, strict=True)
+        if p.pid in up_times
+    ]
+    return report
+
+
+def _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times) -> None:
+    """Send every request on time while two threads collect the answers and resize the pool."""
+    origin, lock, done = time.perf_counter(), threading.Lock(), threading.Event()
+    arrivals: list[float] = []
 
     def collect() -> None:
         received = 0
-        while received < n:
-            first, second, third = answers.get()
+        while received < len(schedule):
+            first, second, third = pool.answers.get()
             if first == "up":  # ("up", pid, wall time)
                 up_times[second] = third
             elif first != "down":  # (request id, output, pid)
@@ -722,59 +810,26 @@ def serve_elastic(
                 received += 1
         done.set()
 
-    try:
-        for _ in range(min_workers):
-            grow()
-        while len(up_times) < min_workers:  # the first pool is warm before the clock starts
-            _, pid, at = answers.get(timeout=60)  # ("up", pid, wall time)
-            up_times[pid] = at
-        collector = threading.Thread(target=collect, daemon=True)
-        origin = time.perf_counter()
-        collector.start()
-        arrivals: list[float] = []
-
-        def autoscaler() -> None:
-            nonlocal live
-            while not done.is_set():
-                time.sleep(interval)
-                now = time.perf_counter() - origin
-                with lock:
-                    recent = sum(1 for a in arrivals if a > now - window)
-                rate = recent / min(window, max(now, 1e-9))
-                want = min(max_workers, max(min_workers,
-                           math.ceil(rate * service_s / target_utilization)))  # fmt: skip
-                if autoscale:
-                    while live < want:
-                        grow()
-                    while live > want:
-                        requests.put(None)
-                        live -= 1
-                report.pool.append((now, rate, live))
-
-        scaler = threading.Thread(target=autoscaler, daemon=True)
-        scaler.start()
-        for i, (at, _) in enumerate(schedule):
-            delay = at - (time.perf_counter() - origin)
-            if delay > 0:
-                time.sleep(delay)
-            report.sent[i] = time.perf_counter() - origin
+    def autoscale() -> None:
+        while not done.is_set():
+            time.sleep(scaling.interval)
+            now = time.perf_counter() - origin
             with lock:
-                arrivals.append(report.sent[i])
-            requests.put((i, inputs[i % len(inputs)].unsqueeze(0).numpy()))
-        if not done.wait(timeout=60):
-            raise TimeoutError("the serving pool did not answer every request within 60 s")
-        scaler.join(timeout=5)
-    finally:
-        for _ in procs:
-            requests.put(None)
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    report.answers = torch.from_numpy(np.concatenate(outputs))
-    report.pids = [p.pid for p in procs]
-    report.started = [
-        up_times[p.pid] - a for p, a in zip(procs, asked, strict=True) if p.pid in up_times
-    ]
-    return report
+                recent = sum(1 for a in arrivals if a > now - scaling.window)
+            rate = recent / min(scaling.window, max(now, 1e-9))
+            pool.resize(scaling.workers_for(rate, pool.service_s))
+            report.pool.append((now, rate, pool.live))
+
+    threading.Thread(target=collect, daemon=True).start()
+    scaler = threading.Thread(target=autoscale, daemon=True)
+    scaler.start()
+    for i, (at, _) in enumerate(schedule):
+        if (delay := at - (time.perf_counter() - origin)) > 0:
+            time.sleep(delay)
+        report.sent[i] = time.perf_counter() - origin
+        with lock:
+            arrivals.append(report.sent[i])
+        pool.requests.put((i, inputs[i % len(inputs)].unsqueeze(0).numpy()))
+    if not done.wait(timeout=60):
+        raise TimeoutError("the serving pool did not answer every request within 60 s")
+    scaler.join(timeout=5)

@@ -185,7 +185,13 @@ def test_bad_input_errors_clearly():
         el._check_schedule([[1, 3]], 2)
     model, x = models.mlp(), load_digits("test")[0]
     with pytest.raises(ValueError, match="min_workers"):
-        el.serve_elastic(model, x, [(1, 10)], min_workers=3, max_workers=2)
+        el.Autoscaler(min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="target_utilization"):
+        el.Autoscaler(target_utilization=1.5)
+    assert el.Autoscaler().workers_for(150, 0.02) == 4  # 150 x 0.02 / 0.7 = 4.3: capped at 4
+    assert el.Autoscaler().workers_for(20, 0.02) == 1  # 0.57 -> 1
+    assert el.FixedPool(workers=2).workers_for(150, 0.02) == 2
+    assert el.request_schedule([(1, 2), (0.5, 4)]) == [(0, 2), (0.5, 2), (1, 4), (1.25, 4)]
     with pytest.raises(ValueError, match="phases"):
         el.serve_elastic(model, x, [(1, -5)])
     with pytest.raises(ValueError, match=r"cannot answer a request of shape \(1, 10\)"):
@@ -234,8 +240,8 @@ def test_ps_workers_join_and_leave_and_sgd_stays_exact():
 def test_serving_pool_follows_the_rate_and_answers_like_the_model():
     model, x = models.mlp(seed=1), load_digits("test")[0]
     phases = [(0.8, 20), (1.6, 150), (1.4, 20)]
-    report = el.serve_elastic(model, x, phases, service_s=0.02, max_workers=4, interval=0.15,
-                              window=0.5)  # fmt: skip
+    scaling = el.Autoscaler(max_workers=4, interval=0.15, window=0.5)
+    report = el.serve_elastic(model, x, phases, service_s=0.02, scaling=scaling)
     with torch.no_grad():
         expected = model(x[[i % len(x) for i in range(len(report.latency))]])
     torch.testing.assert_close(report.answers, expected)  # every answer is the model's
