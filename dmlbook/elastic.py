@@ -230,81 +230,97 @@ def train_worker(config: ElasticConfig) -> dict | None:
     lr = lr_for(world, base_lr=config.base_lr, base_batch=config.base_batch,
                 local_batch=config.local_batch)  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
-
-    # 1. Resume: model, momentum and the position in the epoch, in samples.
-    epoch, position, step, resumed = 0, 0, 0, None
-    if (path := ckpt.latest(run_dir / "checkpoints")) is not None:
-        with warnings.catch_warnings():  # a new world size is the point here, not a surprise
-            warnings.simplefilter("ignore", RuntimeWarning)
-            loaded = ckpt.load(path, model=model, optimizer=optimizer)
-        epoch, position, step = (
-            loaded.progress.epoch,
-            loaded.extra["position"],
-            loaded.progress.step,
-        )
-        resumed = dict(world=loaded.world_size, lr=loaded.extra["lr"])
-    for group in optimizer.param_groups:  # load() brought back the old LR: set this world's
-        group["lr"] = lr
-
-    # 2. A generation number per (re)start: rank 0 counts earlier starts and tells the others.
-    generation = torch.tensor([len(timeline.events("start"))] if rank == 0 else [0])
-    dist.broadcast(generation, 0)
-    generation = int(generation)
-    if rank == 0:
-        timeline.record(
-            "start", generation=generation, world=world, lr=lr,
-            global_batch=config.local_batch * world, resume_step=step, epoch=epoch,
-            position=position, resumed_from=resumed,
-            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
-        )  # fmt: skip
+    epoch, position, step, resumed = _resume(run_dir, model, optimizer, lr)  # 1. resume
+    generation = _start_generation(config, timeline, rank, world, lr, step, epoch, position,
+                                   resumed)  # 2. a generation number per (re)start  # fmt: skip
     with open(run_dir / "pids.txt", "a") as f:
         f.write(f"{os.getpid()}\n")
     samples_log = open(run_dir / f"samples-g{generation}-r{rank}.jsonl", "a", buffering=1)
-
     # 3. Train: each global batch is re-partitioned for *this* world size.
     while epoch < config.epochs:
         order = epoch_order(len(x), config.seed, epoch)
         while position < len(order):
             idx = rank_batch(order, position, config.local_batch, rank, world)
             global_size = min(config.local_batch * world, len(order) - position)
-            # sum of per-sample losses / global batch: the all-reduced SUM is the mean gradient
-            loss = F.cross_entropy(model(x[idx]), y[idx], reduction="sum") / global_size
-            optimizer.zero_grad()
-            loss.backward()
-            # the sum is the mean gradient: chapter 2's ring all-reduce
-            average_gradients(model, algorithm="ring", divide_by=1)
-            optimizer.step()
+            loss = _step(model, optimizer, x[idx], y[idx], global_size)
             step, position = step + 1, position + global_size
             samples_log.write(json.dumps([step, epoch, idx]) + "\n")
-            summed = loss.detach().reshape(1)
-            dist.all_reduce(summed)  # the global batch's mean loss, for the curve
+            dist.all_reduce(loss)  # the global batch's mean loss, for the curve
             if rank == 0:
-                timeline.record("step", step=step, loss=summed.item(), world=world, lr=lr,
+                timeline.record("step", step=step, loss=loss.item(), world=world, lr=lr,
                                 generation=generation)  # fmt: skip
             # where the next step starts: the next epoch once this one is used up
             after = (epoch + 1, 0) if position == len(order) else (epoch, position)
             if step % config.every == 0 or after[0] == config.epochs:
-                progress = ckpt.Progress(epoch=after[0], step=step)
-                extra = {"position": after[1], "lr": lr}
-                ckpt.save(ckpt.checkpoint_path(run_dir / "checkpoints", step), model=model,
-                          optimizer=optimizer, progress=progress, extra=extra)  # fmt: skip
-                if rank == 0:
-                    timeline.record("checkpoint", step=step, epoch=after[0], position=after[1])
-                    for old in sorted((run_dir / "checkpoints").glob("step-*.pt"))[:-2]:
-                        old.unlink(missing_ok=True)  # keep the two newest
+                _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank)
             _plant_failure(config, timeline, rank, step)
             if config.step_delay:
                 time.sleep(config.step_delay)
         epoch, position = epoch + 1, 0
     samples_log.close()
-    result = None
-    if rank == 0:
-        x_test, y_test = load_digits("test")
-        result = dict(accuracy=accuracy(model, x_test, y_test), step=step, world=world)
-        ckpt.atomic_save({"model": model.state_dict(), **result}, run_dir / "final.pt")
-        timeline.record("end", **result)
+    result = _finish(run_dir, model, step, world, timeline) if rank == 0 else None
     dist.destroy_process_group()
+    return result
+
+
+def _resume(run_dir: Path, model: nn.Module, optimizer, lr: float) -> tuple:
+    """(epoch, position in samples, step, what it resumed from) from the latest checkpoint, with
+    this world's learning rate set again (``load`` brings back the old one); zeros if none."""
+    epoch, position, step, resumed = 0, 0, 0, None
+    if (path := ckpt.latest(run_dir / "checkpoints")) is not None:
+        with warnings.catch_warnings():  # a new world size is the point here, not a surprise
+            warnings.simplefilter("ignore", RuntimeWarning)
+            loaded = ckpt.load(path, model=model, optimizer=optimizer)
+        epoch, position = loaded.progress.epoch, loaded.extra["position"]
+        step, resumed = loaded.progress.step, dict(world=loaded.world_size, lr=loaded.extra["lr"])
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return epoch, position, step, resumed
+
+
+def _start_generation(config, timeline, rank, world, lr, step, epoch, position, resumed) -> int:
+    """Rank 0 counts earlier starts and tells the others; it records this start's settings."""
+    generation = torch.tensor([len(timeline.events("start"))] if rank == 0 else [0])
+    dist.broadcast(generation, 0)
+    if rank == 0:
+        timeline.record(
+            "start", generation=int(generation), world=world, lr=lr,
+            global_batch=config.local_batch * world, resume_step=step, epoch=epoch,
+            position=position, resumed_from=resumed,
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+        )  # fmt: skip
+    return int(generation)
+
+
+def _step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor, global_size: int):
+    """One SGD step on this rank's part of a global batch; returns its share of the mean loss."""
+    # sum of per-sample losses / global batch: the all-reduced SUM is the mean gradient
+    loss = F.cross_entropy(model(x), y, reduction="sum") / global_size
+    optimizer.zero_grad()
+    loss.backward()
+    average_gradients(model, algorithm="ring", divide_by=1)  # chapter 2's ring all-reduce
+    optimizer.step()
+    return loss.detach().reshape(1)
+
+
+def _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank) -> None:
+    """Chapter 3's atomic checkpoint at ``step``; rank 0 keeps only the two newest."""
+    progress, extra = ckpt.Progress(epoch=after[0], step=step), {"position": after[1], "lr": lr}
+    ckpt.save(ckpt.checkpoint_path(run_dir / "checkpoints", step), model=model,
+              optimizer=optimizer, progress=progress, extra=extra)  # fmt: skip
+    if rank == 0:
+        timeline.record("checkpoint", step=step, epoch=after[0], position=after[1])
+        for old in sorted((run_dir / "checkpoints").glob("step-*.pt"))[:-2]:
+            old.unlink(missing_ok=True)
+
+
+def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) -> dict:
+    """Rank 0: the test accuracy, and the final model saved atomically."""
+    x_test, y_test = load_digits("test")
+    result = dict(accuracy=accuracy(model, x_test, y_test), step=step, world=world)
+    ckpt.atomic_save({"model": model.state_dict(), **result}, run_dir / "final.pt")
+    timeline.record("end", **result)
     return result
 
 
