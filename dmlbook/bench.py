@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmlbook import collectives
 from dmlbook import data_parallel as dp
+from dmlbook.comm import collectives
 from dmlbook.launch import device, run, threads_per_rank
 from dmlbook.models import char_gpt, mlp
 
@@ -397,7 +397,7 @@ def bench_netlab(settings: tuple[str, ...] = ("100mbit", "300mbit", "1gbit")) ->
 def bench_recompute(repeats: int = 10, json_path: str | None = None) -> list[dict]:
     """Checkpointing at sqrt(n) segments, ours and torch.utils.checkpoint's, against none:
     activation bytes saved (counted) and step-time overhead (median of ``repeats``)."""
-    from dmlbook import recompute
+    from dmlbook.model_parallel import recompute
 
     records = recompute.benchmark(repeats=repeats)
     print(f"recomputation at sqrt(n) segments, median of {repeats} steps, {_load_average()}")
@@ -431,7 +431,7 @@ def _pipeline_step_times(
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from dmlbook import pipeline as pp
+    from dmlbook.model_parallel import pipeline as pp
 
     rank, stages, dev = dist.get_rank(), dist.get_world_size(), device()
     model = mlp(seed=0, in_features=width, hidden=(width,) * (depth - 1), out_features=width)
@@ -497,7 +497,7 @@ def bench_pipeline(
     over torch's on the same stage module (vanilla is set against torch's GPipe with M = 1;
     ``ratio_vs_torch`` is None without ``versus_torch``).
     """
-    from dmlbook import pipeline as pp
+    from dmlbook.model_parallel import pipeline as pp
 
     cases = [("vanilla", 1)] + [(s, m) for s in schedules for m in microbatches]
     measured = run(

@@ -207,7 +207,7 @@ class CharGPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the ``B * T`` tokens (tensor parallelism replaces it with one
-        that takes vocabulary-split logits, :class:`dmlbook.parallelize.LossParallel`)."""
+        that takes vocabulary-split logits, :class:`dmlbook.advanced.parallelize.LossParallel`)."""
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()

@@ -95,8 +95,8 @@ def chunk_grid(
     holdings: Sequence[Sequence[frozenset[int]]], title: str = "", ax: plt.Axes | None = None
 ) -> plt.Axes:
     """A ranks x chunks grid: each cell lists whose contributions that rank's copy of the chunk
-    holds (``holdings[rank][chunk]``, as :func:`dmlbook.collectives.chunk_holdings` replays them),
-    darker the more ranks it sums; a complete chunk is outlined.
+    holds (``holdings[rank][chunk]``, as :func:`dmlbook.comm.collectives.chunk_holdings` replays
+    them), darker the more ranks it sums; a complete chunk is outlined.
     """
     world = len(holdings)
     ax = ax or plt.subplots(figsize=(1.1 * world + 1, 0.7 * world + 0.8))[1]
@@ -122,7 +122,7 @@ def chunk_grid(
     return ax
 
 
-class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.pipeline.OpRecord
+class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.model_parallel.pipeline.OpRecord
     op: str
     microbatch: int
     start: float

@@ -17,13 +17,13 @@ leaving at any time; the job goes on while at least one is left. The same line o
 The run directory must be one that every node can read and write (a shared filesystem): the
 checkpoints and the timeline live there. Each (re)start resumes from the latest checkpoint,
 re-partitions the data and rescales the learning rate for the world size it finds
-(:func:`dmlbook.elastic.train_worker`).
+(:func:`dmlbook.advanced.elastic.train_worker`).
 """
 
 import argparse
 import os
 
-from dmlbook.elastic import ElasticConfig, train_worker
+from dmlbook.advanced.elastic import ElasticConfig, train_worker
 
 
 def main() -> None:

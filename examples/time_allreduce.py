@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 
-from dmlbook import collectives
 from dmlbook.bench import parse_size, time_all_reduces
+from dmlbook.comm import collectives
 from dmlbook.launch import run
 
 

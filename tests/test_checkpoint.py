@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import checkpoint as ck
+from dmlbook.data_parallel import checkpoint as ck
 from dmlbook.datasets import make_classification
 from dmlbook.launch import RankError, run
 from dmlbook.models import mlp

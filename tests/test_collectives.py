@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dmlbook import collectives as C
-from dmlbook import costmodel
+from dmlbook.comm import collectives as C
+from dmlbook.comm import costmodel
 from dmlbook.launch import RankError, run
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)

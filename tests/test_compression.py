@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dmlbook import compression as c
+from dmlbook.comm import compression as c
 from dmlbook.datasets import load_digits
 from dmlbook.launch import run
 from dmlbook.models import mlp

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from dmlbook import costmodel as cm
-from dmlbook.costmodel import ALGORITHMS, Link
+from dmlbook.comm import costmodel as cm
+from dmlbook.comm.costmodel import ALGORITHMS, Link
 
 N = 1200.0  # divisible by 2, 3, 4, 5 and 8, so ring's chunks are whole bytes
 LINK = Link(alpha=5e-6, beta=1e-9, gamma=2e-10)  # 5 us, 1 GB/s, reduction at 5 GB/s

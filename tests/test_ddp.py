@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from dmlbook import compression
 from dmlbook import data_parallel as dp
+from dmlbook.comm import compression
 from dmlbook.datasets import make_classification
 from dmlbook.launch import run
 from dmlbook.models import char_gpt, cnn, mlp

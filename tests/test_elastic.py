@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmlbook import elastic as el
 from dmlbook import models, netlab
+from dmlbook.advanced import elastic as el
 from dmlbook.data_parallel import accuracy
 from dmlbook.datasets import load_digits
 from dmlbook.launch import run

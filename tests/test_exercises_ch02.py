@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import collectives
+from dmlbook.comm import collectives
 from dmlbook.exercises import ExerciseFailed, ch02
 
 

@@ -6,8 +6,8 @@ a largest batch that is one too many, one too few, or ignores that nothing fits.
 
 import pytest
 
-from dmlbook import memory
 from dmlbook.exercises import ExerciseFailed, ch05
+from dmlbook.model_parallel import memory
 
 
 def unanswered(*args):

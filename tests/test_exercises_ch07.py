@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from dmlbook import stage_balancing as sb
 from dmlbook.exercises import ExerciseFailed, ch07
+from dmlbook.model_parallel import stage_balancing as sb
 
 
 def unanswered(*args):

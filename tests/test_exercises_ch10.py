@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmlbook import federated as fl
+from dmlbook.advanced import federated as fl
 from dmlbook.exercises import ExerciseFailed, ch10
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dmlbook import elastic
+from dmlbook.advanced import elastic
 from dmlbook.exercises import ExerciseFailed, ch11
 
 

@@ -5,7 +5,7 @@ all-gather, no (N-1)/N, elements instead of bytes) are caught with a message tha
 
 import pytest
 
-from dmlbook import zero
+from dmlbook.advanced import zero
 from dmlbook.comm.groups import padded_block
 from dmlbook.exercises import ExerciseFailed
 from dmlbook.exercises import zero as exercises

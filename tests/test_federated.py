@@ -1,5 +1,5 @@
-"""Tests for dmlbook.federated: FedAvg on real ranks (world sizes 2, 3 and 4; 3 is the non-power
-of two) equals centralised full-batch SGD and the single-process weighted reference; each
+"""Tests for dmlbook.advanced.federated: FedAvg on real ranks (world sizes 2, 3 and 4; 3 is the
+non-power of two) equals centralised full-batch SGD and the single-process weighted reference; each
 client's data is loaded only on its rank and only model updates leave it; client sampling is the
 same on every rank; secure aggregation shows the server only masked uploads, unrelated to the
 true ones, while the aggregate stays exact; Dirichlet splits use every sample once, grow more
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import federated as fl
+from dmlbook.advanced import federated as fl
 from dmlbook.launch import run
 from dmlbook.models import mlp
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dmlbook import input_pipeline as ip
+from dmlbook.data_parallel import input_pipeline as ip
 from dmlbook.models import mlp
 
 

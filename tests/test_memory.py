@@ -1,6 +1,7 @@
-"""Tests for dmlbook.memory: the estimator against memory measured in real training steps of our
-char-GPT (on CPU: bytes of parameters, gradients and optimizer state as allocated, saved tensors,
-the allocator's peak; on CUDA: the allocator), against published model sizes, against torch's own
+"""Tests for dmlbook.model_parallel.memory: the estimator against memory measured in real training
+steps of our char-GPT (on CPU: bytes of parameters, gradients and optimizer state as allocated,
+saved tensors, the allocator's peak; on CUDA: the allocator), against published model sizes,
+against torch's own
 layers, against Korthikanti et al.'s formula, and per pipeline stage on real ranks."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dmlbook import memory
 from dmlbook.launch import RankError, run
+from dmlbook.model_parallel import memory
 from dmlbook.models import char_gpt, count_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -213,7 +214,7 @@ def test_recompute_one_segment_is_plain_backprop_and_sqrt_n_saves_most():
 
 
 def test_stages_split_the_layers():
-    from dmlbook import pipeline
+    from dmlbook.model_parallel import pipeline
 
     spec = memory.spec_of(char_gpt(37, n_layer=6, n_embd=64, n_head=4, block_size=32))
     whole = memory.estimate(spec, 8)
@@ -232,7 +233,7 @@ def test_stages_split_the_layers():
 def test_each_pipeline_stage_measures_what_the_estimator_predicts():
     """Real ranks at 2 and 3 stages (a non-power of two): every stage's parameters, gradients,
     optimizer state and saved activations as estimated, and its total within 10%."""
-    from dmlbook import pipeline
+    from dmlbook.model_parallel import pipeline
 
     model = char_gpt(37, seed=2, n_layer=4, n_embd=64, n_head=4, block_size=32)
     spec = memory.spec_of(model)

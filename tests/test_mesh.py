@@ -1,7 +1,8 @@
-"""Tests for dmlbook.mesh: the group layout of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes; on real ranks
-the groups hold the ranks the layout says (and the ranks torch's init_device_mesh puts together),
-a TP all-reduce adds exactly its row; DP x TP training of the char-GPT at 2x2 on 4 ranks, 1x3
-and 3x1 on 3 ranks equals single-process training (losses and every parameter, float64); a mesh
+"""Tests for dmlbook.advanced.mesh: the group layout of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes; on
+real ranks the groups hold the ranks the layout says (and the ranks torch's init_device_mesh puts
+together), a TP all-reduce adds exactly its row; DP x TP training of the char-GPT at 2x2 on 4
+ranks, 1x3 and 3x1 on 3 ranks equals single-process training (losses and every parameter, float64);
+a mesh
 that does not match the world raises ValueError on every rank."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import test_tensor_parallel  # a sibling test module: pytest puts tests/ on sys.
 import torch
 import torch.distributed as dist
 
-from dmlbook import mesh as mesh_lib
+from dmlbook.advanced import mesh as mesh_lib
 from dmlbook.launch import run
 from dmlbook.models import char_gpt
 

@@ -110,7 +110,7 @@ def test_the_drift_guard_catches_a_removed_function():
         "from dmlbook.module_that_was_split import helper\n",
     ]
     assert missing(dmlbook_names(sources, "planted")) == [
-        "dmlbook.collectives.all_reduce_that_was_renamed",
+        "dmlbook.comm.collectives.all_reduce_that_was_renamed",
         "dmlbook.exercises.ch01.check_removed",
         "dmlbook.launch.no_such_helper",
         "dmlbook.module_that_was_split",

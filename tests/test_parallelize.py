@@ -1,4 +1,4 @@
-"""dmlbook.parallelize: plans of styles applied to an unmodified model, against torch's own
+"""dmlbook.advanced.parallelize: plans of styles applied to an unmodified model, against torch's own
 parallelize_module, and the one order in which parallelize composes TP and DP on a mesh.
 (Training equality of the composed char-GPT with one process is tests/test_mesh.py's.)"""
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import mesh as mesh_lib
-from dmlbook import parallelize as P
-from dmlbook import tensor_parallel as tp
+from dmlbook.advanced import mesh as mesh_lib
+from dmlbook.advanced import parallelize as P
+from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.data_parallel import BucketedDDP
 from dmlbook.launch import run
 from dmlbook.models import CharGPT, char_gpt

@@ -1,5 +1,6 @@
-"""Tests for dmlbook.pipeline: schedules as tables, pipelined training equal to single-process
-training (and to torch.distributed.pipelining) at P = 2, 3, 4, live activations counted, and bad
+"""Tests for dmlbook.model_parallel.pipeline: schedules as tables, pipelined training equal to
+single-process training (and to torch.distributed.pipelining) at P = 2, 3, 4, live activations
+counted, and bad
 input that fails fast with a clear error."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import pipeline as pp
 from dmlbook.launch import RankError, run
+from dmlbook.model_parallel import pipeline as pp
 from dmlbook.models import char_gpt, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
-"""Tests for dmlbook.pipeline_workflows: pipelined training, fine-tuning and serving at world
-sizes 1 (no process group), 2 and 3 (even, uneven and balanced splits; one and several
+"""Tests for dmlbook.model_parallel.pipeline_workflows: pipelined training, fine-tuning and serving
+at world sizes 1 (no process group), 2 and 3 (even, uneven and balanced splits; one and several
 micro-batches; GPipe and 1F1B; two trainers taking turns) equal the single-process reference;
 bad input raises ValueError, on every rank, without hanging."""
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import pipeline as pp
-from dmlbook import pipeline_workflows as pw
-from dmlbook import stage_balancing as sb
 from dmlbook.datasets import CharVocab, char_corpus
 from dmlbook.launch import run
+from dmlbook.model_parallel import pipeline as pp
+from dmlbook.model_parallel import pipeline_workflows as pw
+from dmlbook.model_parallel import stage_balancing as sb
 from dmlbook.models import char_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
-"""Tests for dmlbook.profiling (chapter 12): per-rank traces of bucketed, naive and torch DDP steps
-are valid Chrome traces with communication and compute events, whose breakdown adds up to the
-step's wall time; the interval arithmetic on hand-made intervals; multiplexed jobs and a job
+"""Tests for dmlbook.advanced.profiling (chapter 12): per-rank traces of bucketed, naive and torch
+DDP steps are valid Chrome traces with communication and compute events, whose breakdown adds up to
+the step's wall time; the interval arithmetic on hand-made intervals; multiplexed jobs and a job
 migrated from 2 ranks to 1 equal training alone; heterogeneous training with unequal
 batches, gradients weighted by batch size, equals single-process SGD on the union batch at world
 sizes 2, 3 (ranks 0-2 of 4) and 4, and plain averaging does not. Timings are never asserted."""
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import profiling as pr
+from dmlbook.advanced import profiling as pr
 from dmlbook.launch import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmlbook import data_parallel as dp
-from dmlbook import launch, ps
+from dmlbook import launch
+from dmlbook.data_parallel import ps
 from dmlbook.datasets import load_digits, make_classification, shard_indices
 from dmlbook.launch import RankError, run
 from dmlbook.models import mlp

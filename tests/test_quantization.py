@@ -1,4 +1,5 @@
-"""Tests for dmlbook.quantization: the scale / 2 bound exactly, per-channel vs per-tensor, bytes,
+"""Tests for dmlbook.model_parallel.serving.quantization: the scale / 2 bound exactly, per-channel
+vs per-tensor, bytes,
 and digits accuracy of fp16 / int8 models against fp32."""
 
 from __future__ import annotations
@@ -8,8 +9,7 @@ import torch
 from torch import nn
 
 from dmlbook.exercises import ch04
-from dmlbook.models import char_gpt, mlp
-from dmlbook.quantization import (
+from dmlbook.model_parallel.serving.quantization import (
     QuantizedLinear,
     compare_on_digits,
     dequantize,
@@ -19,6 +19,7 @@ from dmlbook.quantization import (
     quantize_model,
     train_digits_mlp,
 )
+from dmlbook.models import char_gpt, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

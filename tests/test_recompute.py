@@ -1,4 +1,5 @@
-"""Tests for dmlbook.recompute: exact gradients, saved bytes counted by hand, the sqrt(n) rule."""
+"""Tests for dmlbook.model_parallel.recompute: exact gradients, saved bytes counted by hand, the
+sqrt(n) rule."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dmlbook.models import char_gpt, cnn, mlp
-from dmlbook.recompute import (
+from dmlbook.model_parallel.recompute import (
     SavedTensorMeter,
     checkpoint_segment,
     checkpoint_sequential,
@@ -20,6 +20,7 @@ from dmlbook.recompute import (
     sqrt_segments,
     torch_checkpoint_segment,
 )
+from dmlbook.models import char_gpt, cnn, mlp
 
 IMPLEMENTATIONS = {"ours": checkpoint_segment, "torch": torch_checkpoint_segment}
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import serving, tuning
 from dmlbook.comm.groups import balanced_blocks
+from dmlbook.data_parallel import tuning
 from dmlbook.launch import RankError, run
+from dmlbook.model_parallel import serving
 from dmlbook.models import mlp
 
 INPUTS = 37  # not divisible by 2, 3 or 4

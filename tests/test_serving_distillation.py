@@ -7,8 +7,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from dmlbook.model_parallel.serving.distillation import (
+    distillation_loss,
+    soft_target_loss,
+    train_student,
+)
 from dmlbook.models import mlp
-from dmlbook.serving.distillation import distillation_loss, soft_target_loss, train_student
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

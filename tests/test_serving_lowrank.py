@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+from dmlbook.model_parallel.serving import lowrank
 from dmlbook.models import mlp
-from dmlbook.serving import lowrank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

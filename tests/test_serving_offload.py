@@ -7,10 +7,10 @@ import torch
 from torch.nn import functional as F
 
 from dmlbook.launch import run
+from dmlbook.model_parallel.recompute import cuda_peak_bytes
+from dmlbook.model_parallel.serving import offload
+from dmlbook.model_parallel.serving.layers import as_layers, layer_loss
 from dmlbook.models import char_gpt, mlp
-from dmlbook.recompute import cuda_peak_bytes
-from dmlbook.serving import offload
-from dmlbook.serving.layers import as_layers, layer_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,9 +8,14 @@ import pytest
 import torch
 from torch import nn
 
+from dmlbook.model_parallel.serving import reduced_precision
+from dmlbook.model_parallel.serving.quantization import (
+    Int8Linear,
+    int8_matmul,
+    int8_model,
+    quantize_rows,
+)
 from dmlbook.models import char_gpt, mlp
-from dmlbook.quantization import Int8Linear, int8_matmul, int8_model, quantize_rows
-from dmlbook.serving import reduced_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

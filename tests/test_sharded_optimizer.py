@@ -1,6 +1,6 @@
-"""Tests for dmlbook.sharded_optimizer: at world sizes 1-4, ShardedOptimizer wrapping AdamW, SGD
-with Nesterov momentum and Adafactor (row and column statistics, RMS clipping: not elementwise)
-equals, bitwise, the unsharded optimizer fed the same averaged gradients and torch's
+"""Tests for dmlbook.advanced.sharded_optimizer: at world sizes 1-4, ShardedOptimizer wrapping
+AdamW, SGD with Nesterov momentum and Adafactor (row and column statistics, RMS clipping: not
+elementwise) equals, bitwise, the unsharded optimizer fed the same averaged gradients and torch's
 ZeroRedundancyOptimizer under DDP, and one process on the global batch to rtol 1e-7; each rank
 holds only its partition's state; LR schedulers, state-dict round trips, add_param_group and a
 subgroup behave as on the plain optimizer; bad input fails fast and clearly.
@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmlbook.advanced.sharded_optimizer import (
+    ShardedOptimizer,
+    optimizer_state_bytes,
+    partition_parameters,
+)
 from dmlbook.data_parallel import average_gradients
 from dmlbook.launch import RankError, run
-from dmlbook.sharded_optimizer import ShardedOptimizer, optimizer_state_bytes, partition_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""Tests for dmlbook.stage_balancing: the linear-partition DP equals brute force over every
-contiguous split and an independent bisection method (torch.distributed.pipelining has no
+"""Tests for dmlbook.model_parallel.stage_balancing: the linear-partition DP equals brute force
+over every contiguous split and an independent bisection method (torch.distributed.pipelining has no
 balancer to compare with); the pipeline-time formula equals a simulated flow shop; layer costs
 are measured for every layer, with bytes in closed form."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dmlbook import stage_balancing as sb
+from dmlbook.model_parallel import stage_balancing as sb
 from dmlbook.models import char_gpt, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

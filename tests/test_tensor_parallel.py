@@ -1,5 +1,5 @@
-"""Tests for dmlbook.tensor_parallel: at TP = 1 (no process group), 2, 3 and 4, the column- and
-row-parallel linears, the parallel MLP and attention, the vocab-parallel embedding and
+"""Tests for dmlbook.advanced.tensor_parallel: at TP = 1 (no process group), 2, 3 and 4, the
+column- and row-parallel linears, the parallel MLP and attention, the vocab-parallel embedding and
 cross-entropy and the whole tensor-parallel char-GPT give the unsplit layer's outputs and
 gradients (float64 to 1e-10; the char-GPT in float32 to the issue's 1e-5); each rank holds 1/TP
 of the split weights; the MLP and attention run one all-reduce forward and one backward; the MLP
@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import tensor_parallel as tp
+from dmlbook.advanced import tensor_parallel as tp
+from dmlbook.advanced.parallelize import tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import run
 from dmlbook.models import GPTConfig, char_gpt
-from dmlbook.parallelize import tensor_parallel_char_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
-"""Tests for dmlbook.zero: ZeRO stages 0-3 at world sizes 1, 2, 3 and 4 (units whose sizes do not
-divide by 3 or 4) give the parameters of single-process Adam, of plain data parallelism and of
-torch's DDP and FSDP2; each rank holds exactly the bytes the paper's formulas say (plus padding
+"""Tests for dmlbook.advanced.zero: ZeRO stages 0-3 at world sizes 1, 2, 3 and 4 (units whose sizes
+do not divide by 3 or 4) give the parameters of single-process Adam, of plain data parallelism and
+of torch's DDP and FSDP2; each rank holds exactly the bytes the paper's formulas say (plus padding
 and one unit in flight); the collectives carry 2x the model for stages 0-2 and 3x for stage 3;
 bad input raises ValueError. One launch per world size, cached across tests."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook import zero
+from dmlbook.advanced import zero
 from dmlbook.comm.groups import padded_size
 from dmlbook.launch import run
 from dmlbook.models import mlp

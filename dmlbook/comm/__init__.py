@@ -2,4 +2,8 @@
 
 * ``groups``: a rank's place in a group, and the block of a size each rank owns (every chapter)
 * ``trace``: recording what a rank sends, in one mechanism (chapters 2, 4, 9, 9b)
+* ``collectives``: every collective from point-to-point messages; ring, tree, recursive-doubling
+  and naive all-reduce, and a ring with reduced-precision transfer (chapters 2 and 4)
+* ``costmodel``: the alpha-beta model of each algorithm and of a parameter server (2 and 4)
+* ``compression``: gradient compression as DDP communication hooks (chapter 4)
 """

@@ -2,7 +2,7 @@
 
 One mechanism for every kind of record. Code that communicates calls :func:`record` with an
 event (chapter 2's collectives a :class:`~dmlbook.comm.collectives.Send` per message, chapter
-9's tensor-parallel layers a :class:`~dmlbook.tensor_parallel.CommRecord` per collective);
+9's tensor-parallel layers a :class:`~dmlbook.advanced.tensor_parallel.CommRecord` per collective);
 ``with recording(Send) as sends:`` collects, into ``sends``, the events of that kind recorded
 inside the block. The active recorders live in a context variable, not a module global: nested
 blocks each get their own list (an outer block also receives the inner block's events), and

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import collectives
+from dmlbook.comm import collectives
 from dmlbook.comm.groups import group_rank_size
 
 __all__ = [
@@ -43,9 +43,10 @@ def average_gradients(
 
     ``algorithm=None`` is chapter 1's naive way: one ``dist.all_reduce`` per parameter.
     ``algorithm="ring"`` (or ``"tree"``, ``"recursive_doubling"``, ``"naive"``) flattens every
-    gradient into one buffer and reduces it with chapter 2's :func:`dmlbook.collectives.all_reduce`.
-    ``divide_by=1`` keeps the plain sum: right when each rank's loss is already its share of the
-    global batch's mean (chapters 11 and 12, with batches of different sizes).
+    gradient into one buffer and reduces it with chapter 2's
+    :func:`dmlbook.comm.collectives.all_reduce`. ``divide_by=1`` keeps the plain sum: right when
+    each rank's loss is already its share of the global batch's mean (chapters 11 and 12, with
+    batches of different sizes).
     """
     _, world = group_rank_size(group)
     params = model.parameters() if isinstance(model, nn.Module) else model

@@ -264,7 +264,7 @@ class BucketedDDP(_DataParallel):
     else it gets the average. This is torch's behaviour, checked against it in the tests.
 
     ``register_comm_hook(state, hook)`` replaces the default average with torch's contract
-    (chapter 4's :func:`dmlbook.compression.allreduce_hook` is that average, as a hook);
+    (chapter 4's :func:`dmlbook.comm.compression.allreduce_hook` is that average, as a hook);
     ``stats`` counts what was communicated. Unlike torch, the buckets keep their first layout
     (torch re-buckets once, in the order the gradients arrived in the first step).
     """

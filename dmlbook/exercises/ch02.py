@@ -2,11 +2,12 @@
 
 1. ``check_ring_all_gather``: write ``all_gather(tensor_list, tensor)`` as a ring, from
    ``dist.send``/``dist.recv`` (or ``isend``/``irecv``): p-1 steps, each rank forwarding to its
-   right neighbour the tensor it received one step earlier (:func:`dmlbook.collectives.all_gather`).
+   right neighbour the tensor it received one step earlier
+   (:func:`dmlbook.comm.collectives.all_gather`).
 2. ``check_ring_reduce_scatter``: write ``reduce_scatter(output, input_list)`` (SUM) as a ring:
    p-1 steps, each rank adding the chunk arriving from the left into its running sum and passing
    it on, so that rank r ends with chunk r summed over every rank
-   (:func:`dmlbook.collectives.reduce_scatter`).
+   (:func:`dmlbook.comm.collectives.reduce_scatter`).
 
 Both run the learner's function on real ranks at world sizes 2, 3 and 4. Inside those ranks the
 built-in collectives are switched off (the point is to build them), and every message is

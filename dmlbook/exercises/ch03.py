@@ -6,7 +6,8 @@
    shards differ in size (averaging the ranks' accuracies is then wrong).
 2. ``check_atomic_save``: write ``atomic_save(obj, path)``, the checkpointing rule that a crash
    mid-save never destroys the last good checkpoint: write a temporary file in the same directory,
-   flush and fsync it, then rename it over ``path`` (:mod:`dmlbook.checkpoint` does this).
+   flush and fsync it, then rename it over ``path`` (:mod:`dmlbook.data_parallel.checkpoint` does
+   this).
 """
 
 from __future__ import annotations

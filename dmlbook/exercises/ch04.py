@@ -3,11 +3,11 @@
 1. ``check_int8_quantize``: write ``quantize(t) -> (q, scale)``, symmetric int8 quantization
    with one scale per tensor: ``q = round(t / scale)`` in [-127, 127] with ``scale = max|t| / 127``,
    so that ``q * scale`` is within ``scale / 2`` of every element
-   (:mod:`dmlbook.quantization` does it per output channel).
+   (:mod:`dmlbook.model_parallel.serving.quantization` does it per output channel).
 2. ``check_topk_error_feedback``: write ``compress(grad, residual, k) -> (values, indices,
    new_residual)``, top-k sparsification with error feedback: add the residual left from last
    step, send the k entries of largest *magnitude*, and keep everything not sent as the new
-   residual, so that nothing is ever lost, only delayed (:mod:`dmlbook.compression`).
+   residual, so that nothing is ever lost, only delayed (:mod:`dmlbook.comm.compression`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@
    the bytes of weights, gradients and optimizer state for ``precision`` in fp32 / bf16 / mixed
    and ``optimizer`` in sgd / sgd_momentum / adam (Adam's step counter aside); mixed precision
    keeps fp32 weights, gradients and moments, as ``torch.autocast`` does
-   (:func:`dmlbook.memory.state_bytes_per_parameter`).
+   (:func:`dmlbook.model_parallel.memory.state_bytes_per_parameter`).
 3. ``check_largest_batch``: write ``largest(spec, seq, device_bytes) -> int``, the largest batch
-   whose ``dmlbook.memory.estimate(spec, batch, seq).total`` fits in ``device_bytes`` (0 if even
-   one sample does not), as :func:`dmlbook.memory.largest_batch` finds it.
+   whose ``dmlbook.model_parallel.memory.estimate(spec, batch, seq).total`` fits in
+   ``device_bytes`` (0 if even one sample does not), as
+   :func:`dmlbook.model_parallel.memory.largest_batch` finds it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from dmlbook import memory
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.model_parallel import memory
 from dmlbook.models import count_parameters
 
 __all__ = ["check_largest_batch", "check_layer_parameters", "check_training_state_bytes"]
@@ -107,7 +108,8 @@ def check_training_state_bytes(fn: Callable[[int, str, str], int]) -> str:
 
 @checker("largest_batch")
 def check_largest_batch(fn: Callable[[memory.TransformerSpec, int, float], int]) -> str:
-    """Check ``fn(spec, seq, device_bytes)`` against :func:`dmlbook.memory.largest_batch`."""
+    """Check ``fn(spec, seq, device_bytes)`` against
+    :func:`dmlbook.model_parallel.memory.largest_batch`."""
     cases = [
         (memory.BERT_BASE, 128, 16 * 2**30),
         (memory.BERT_TINY, 512, 2**30),

@@ -3,19 +3,19 @@
 1. ``check_one_f_one_b_order``: write ``order(stage, stages, microbatches) -> [(op, microbatch),
    ...]``, the order in which stage ``stage`` of a 1F1B pipeline runs its ops: ``min(P - s - 1,
    M)`` warm-up forwards, then one forward and one backward in turn, then the backwards left
-   (:func:`dmlbook.pipeline.one_f_one_b_schedule` builds it for every stage).
+   (:func:`dmlbook.model_parallel.pipeline.one_f_one_b_schedule` builds it for every stage).
 2. ``check_bubble``: write ``bubble(timelines) -> float``, the idle fraction of a real pipelined
-   step from its per-stage timelines of :class:`dmlbook.pipeline.OpRecord`: one minus the busy
-   time of all stages over (stages x the span from the first start to the last end)
-   (:func:`dmlbook.pipeline.measured_bubble`).
+   step from its per-stage timelines of :class:`dmlbook.model_parallel.pipeline.OpRecord`: one
+   minus the busy time of all stages over (stages x the span from the first start to the last end)
+   (:func:`dmlbook.model_parallel.pipeline.measured_bubble`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from dmlbook import pipeline as pp
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.model_parallel import pipeline as pp
 
 __all__ = ["check_bubble", "check_one_f_one_b_order"]
 

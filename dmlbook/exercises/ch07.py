@@ -2,7 +2,7 @@
 
 1. ``check_linear_partition``: write ``partition(costs, stages) -> counts``, the layers per stage
    (contiguous, at least one each) that make the slowest stage as fast as it can be: the
-   linear-partition dynamic program of :mod:`dmlbook.stage_balancing`.
+   linear-partition dynamic program of :mod:`dmlbook.model_parallel.stage_balancing`.
 2. ``check_pipeline_throughput``: write ``throughput(layer_costs, counts, microbatches,
    microbatch_size) -> samples per second`` of a forward-only pipeline (serving) whose stage s
    takes the summed cost of its layers per micro-batch: the first micro-batch crosses every stage,
@@ -20,8 +20,8 @@ import itertools
 import random
 from collections.abc import Callable, Sequence
 
-from dmlbook import stage_balancing
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
+from dmlbook.model_parallel import stage_balancing
 
 __all__ = ["check_completion_ticks", "check_linear_partition", "check_pipeline_throughput"]
 

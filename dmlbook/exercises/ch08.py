@@ -2,14 +2,14 @@
 
 1. ``check_freeze_first``: write ``freeze_first(layers, k)``: the parameters of the first ``k``
    layers stop training (``requires_grad=False``) and every later layer trains
-   (:mod:`dmlbook.serving.freezing`).
+   (:mod:`dmlbook.model_parallel.serving.freezing`).
 2. ``check_energy_rank``: write ``energy_rank(weight, keep)``: the smallest rank ``r`` whose
    ``r`` largest singular values keep at least ``keep`` of the matrix's energy, the sum of the
-   *squared* singular values (:mod:`dmlbook.serving.lowrank`).
+   *squared* singular values (:mod:`dmlbook.model_parallel.serving.lowrank`).
 3. ``check_distillation_loss``: write ``distillation_loss(student_logits, teacher_logits,
    targets, T, alpha)``, Hinton et al.'s ``alpha * T^2 * KL(softmax(teacher / T) ||
    softmax(student / T)) + (1 - alpha) * CE(student, targets)``, the KL summed over classes and
-   averaged over samples (:mod:`dmlbook.serving.distillation`).
+   averaged over samples (:mod:`dmlbook.model_parallel.serving.distillation`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.model_parallel.serving.distillation import distillation_loss
+from dmlbook.model_parallel.serving.layers import as_layers
+from dmlbook.model_parallel.serving.lowrank import energy_rank
 from dmlbook.models import char_gpt, mlp
-from dmlbook.serving.distillation import distillation_loss
-from dmlbook.serving.layers import as_layers
-from dmlbook.serving.lowrank import energy_rank
 
 __all__ = ["check_distillation_loss", "check_energy_rank", "check_freeze_first"]
 

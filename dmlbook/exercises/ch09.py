@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from dmlbook import tensor_parallel
+from dmlbook.advanced import tensor_parallel
 from dmlbook.comm.groups import even_block
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 

@@ -6,8 +6,8 @@
 2. ``check_client_mask``: write ``client_mask(client, participants, seed_of, round_index, numel)``,
    the pairwise mask one client adds to its upload in secure aggregation: for every other
    participant, ``pair_mask(seed_of(client, peer), round_index, numel)`` (from
-   :mod:`dmlbook.federated`) added or subtracted so that the masks of all participants cancel
-   in the sum, everything modulo ``MODULUS``.
+   :mod:`dmlbook.advanced.federated`) added or subtracted so that the masks of all participants
+   cancel in the sum, everything modulo ``MODULUS``.
 3. ``check_dirichlet_split``: write ``dirichlet_split(labels, num_clients, alpha, seed)``, each
    client's sample indices when every class is shared out among the clients in proportions
    drawn from Dirichlet(alpha): every sample used exactly once, reproducible for a seed, close
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmlbook import federated as fl
+from dmlbook.advanced import federated as fl
 from dmlbook.datasets import load_digits
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 

@@ -4,7 +4,8 @@
    rank ``rank``'s samples of the global batch that starts at ``position`` in the epoch's order
    (the next ``local_batch * world_size`` samples, fewer at the end of the epoch). After a resize
    the ranks resume mid-epoch: together they must cover the rest of the epoch, every sample exactly
-   once, with parts that differ in size by at most one (:func:`dmlbook.elastic.rank_batch`).
+   once, with parts that differ in size by at most one
+   (:func:`dmlbook.advanced.elastic.rank_batch`).
 2. ``check_rescale``: write ``rescale(base_lr, base_batch, local_batch, world_size,
    samples_left) -> (lr, global_batch, steps_left)``: the learning rate by the linear scaling rule
    for the new global batch, and the steps left in the epoch (the last one may be short).
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dmlbook import elastic
+from dmlbook.advanced import elastic
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
 
 __all__ = ["check_rank_batch", "check_rescale"]

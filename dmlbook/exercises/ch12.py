@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmlbook import profiling
+from dmlbook.advanced import profiling
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_loss_scale", "check_overlap", "check_proportional_batches"]

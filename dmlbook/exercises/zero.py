@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dmlbook import zero
+from dmlbook.advanced import zero
 from dmlbook.comm.groups import padded_block
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 

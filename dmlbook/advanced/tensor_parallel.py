@@ -19,17 +19,17 @@ pair that joins or cuts the last dimension.
 On top of them: :class:`ParallelMLP`, :class:`ParallelSelfAttention` (heads split across the
 ranks, causal), :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy` (the
 softmax's max and sum-exp all-reduced, the target's logit taken from the rank that owns it) and
-:func:`dmlbook.parallelize.tensor_parallel_char_gpt`, the char-GPT of :mod:`dmlbook.models` with
-every block split by a plan. Each layer has a ``from_...`` constructor that cuts its shard out of
-an unsplit layer, which is how the plan applies it and how the tests and the notebook prove the
-split layer computes the same thing.
+:func:`dmlbook.advanced.parallelize.tensor_parallel_char_gpt`, the char-GPT of
+:mod:`dmlbook.models` with every block split by a plan. Each layer has a ``from_...`` constructor
+that cuts its shard out of an unsplit layer, which is how the plan applies it and how the tests and
+the notebook prove the split layer computes the same thing.
 
-All communication goes through chapter 2's :mod:`dmlbook.collectives`; ``group=`` picks the
+All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
-:class:`dmlbook.mesh.DeviceMesh`). Inside ``with counting() as comms:`` every collective these
-layers run is recorded (:mod:`dmlbook.comm.trace`), so the notebook can count them per layer and
-pass. Which block of a size each rank holds is :func:`dmlbook.comm.groups.even_block`: sizes must
-divide by the TP size.
+:class:`dmlbook.advanced.mesh.DeviceMesh`). Inside ``with counting() as comms:`` every collective
+these layers run is recorded (:mod:`dmlbook.comm.trace`), so the notebook can count them per layer
+and pass. Which block of a size each rank holds is :func:`dmlbook.comm.groups.even_block`: sizes
+must divide by the TP size.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook import collectives
-from dmlbook.comm import trace
+from dmlbook.comm import collectives, trace
 from dmlbook.comm.groups import even_block, group_rank_size
 from dmlbook.models import CausalSelfAttention, FeedForward
 

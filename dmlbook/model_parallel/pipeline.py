@@ -441,7 +441,7 @@ class PipelineStage:
             targets = _split(targets, microbatches, "targets")
         meter = contextlib.nullcontext()
         if measure_memory:
-            from dmlbook.recompute import SavedTensorMeter
+            from dmlbook.model_parallel.recompute import SavedTensorMeter
 
             meter = SavedTensorMeter([*self.module.parameters(), *self.module.buffers(), *data])
         with meter:

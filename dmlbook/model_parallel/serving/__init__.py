@@ -13,7 +13,8 @@
 - ``reduced_precision``: fp16, bf16 and int8 inference side by side: bytes, accuracy, latency.
 """
 
-from dmlbook.serving import (
+from dmlbook.data_parallel.serving import predict
+from dmlbook.model_parallel.serving import (
     distillation,
     freezing,
     layers,
@@ -21,7 +22,6 @@ from dmlbook.serving import (
     offload,
     reduced_precision,
 )
-from dmlbook.serving.data_parallel import predict
 
 __all__ = [
     "distillation",

@@ -11,9 +11,9 @@ is a transformation, not a second model class:
 * :func:`apply_tensor_parallel` swaps, in place, each planned module for this rank's shard;
   a plan entry that matches nothing is an error, so a typo cannot train the unsplit model;
 * :func:`apply_data_parallel` wraps the model in chapter 3's :class:`BucketedDDP` over a group;
-* :func:`parallelize` composes them on a :class:`~dmlbook.mesh.DeviceMesh`, in the one order
-  written down here: tensor parallelism first (it decides which parameters exist on this rank),
-  data parallelism last (it averages, over the ranks that hold the same shard, the parameters
+* :func:`parallelize` composes them on a :class:`~dmlbook.advanced.mesh.DeviceMesh`, in the one
+  order written down here: tensor parallelism first (it decides which parameters exist on this
+  rank), data parallelism last (it averages, over the ranks that hold the same shard, the parameters
   that now exist). Chapter 9's hybrid training uses it.
 
 torch's own counterpart is ``torch.distributed.tensor.parallel.parallelize_module`` with
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from dmlbook import tensor_parallel as tp
+from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.data_parallel import BucketedDDP
 
 __all__ = [
@@ -172,8 +172,8 @@ def tensor_parallel_char_gpt(model: nn.Module, group=None) -> nn.Module:
     """This rank's shard of a char-GPT over ``group``: a copy with :data:`CHAR_GPT_PLAN` applied.
 
     The vocabulary, ``n_head`` and ``4 * n_embd`` must divide by the TP size (pad the vocabulary
-    with :func:`~dmlbook.tensor_parallel.padded_vocab_size`). Dropout is refused: each rank would
-    drop different activations of what must be one computation.
+    with :func:`~dmlbook.advanced.tensor_parallel.padded_vocab_size`). Dropout is refused: each
+    rank would drop different activations of what must be one computation.
     """
     if model.config.dropout:
         raise ValueError(f"tensor parallelism here needs dropout=0.0, got {model.config.dropout}")

@@ -11,16 +11,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import pipeline
-from dmlbook.memory.estimate import _segments, _validate
-from dmlbook.memory.spec import COMPONENTS, OPTIMIZERS, PRECISIONS, _check_choice, spec_of
-from dmlbook.models import CharGPT
-from dmlbook.recompute import (
+from dmlbook.model_parallel import pipeline
+from dmlbook.model_parallel.memory.estimate import _segments, _validate
+from dmlbook.model_parallel.memory.spec import (
+    COMPONENTS,
+    OPTIMIZERS,
+    PRECISIONS,
+    _check_choice,
+    spec_of,
+)
+from dmlbook.model_parallel.recompute import (
     SavedTensorMeter,
     checkpoint_segment,
     cuda_peak_bytes,
     layer_chain,
 )
+from dmlbook.models import CharGPT
 
 # ---- Measuring a real step ----------------------------------------------------------------------
 
@@ -73,7 +79,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def cpu_peak_bytes(step: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held during ``step()`` above what it held before it: the CPU
-    counterpart of :func:`dmlbook.recompute.cuda_peak_bytes`.
+    counterpart of :func:`dmlbook.model_parallel.recompute.cuda_peak_bytes`.
 
     Torch's profiler with ``profile_memory`` records every allocation and free with its time;
     their running sum is the allocator's live bytes. The legacy (autograd) profiler is used

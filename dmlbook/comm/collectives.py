@@ -8,7 +8,7 @@ from the only primitive a network really offers, a message from one rank to anot
 * ``gather`` and ``scatter`` are direct: the root talks to every other rank;
 * ``all_gather`` and ``reduce_scatter`` go round a ring, one chunk per step;
 * ``all_reduce`` offers four algorithms, so that their cost can be measured and compared with
-  :mod:`dmlbook.costmodel`:
+  :mod:`dmlbook.comm.costmodel`:
 
   - ``"ring"``: reduce-scatter then all-gather; every rank sends 2(p-1)/p of the tensor, the least
     any algorithm can. Each chunk is cut into slices that flow through the ring back to back, so

@@ -3,7 +3,7 @@
 Chapter 4 ("Bottlenecks and solutions") lists quantization among the answers to the on-device
 memory bottleneck, and chapter 8 ("Higher throughput and lower latency") reduces bits to serve a
 model faster and in less memory (chapter 10 ships such a model to the edge). Here the *weights*
-are quantized; :mod:`dmlbook.compression` does the same to gradients on the wire.
+are quantized; :mod:`dmlbook.comm.compression` does the same to gradients on the wire.
 
 - ``quantize_int8`` / ``dequantize``: symmetric int8, ``q = round(w / scale)`` in [-127, 127]
   with ``scale = max|w| / 127`` per output channel (row) or per tensor, so that every element

@@ -14,8 +14,8 @@ fastest: with ``("dp", "tp")`` the TP groups are neighbouring ranks, which on GP
 one machine, joined by NVLink, as Megatron-LM places them.
 
 :func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a mesh, parallelised by
-:func:`dmlbook.parallelize.parallelize`: the tensor-parallel plan inside each TP group, the batch
-split over the DP groups, gradients averaged over DP by chapter 3's bucketed DDP.
+:func:`dmlbook.advanced.parallelize.parallelize`: the tensor-parallel plan inside each TP group,
+the batch split over the DP groups, gradients averaged over DP by chapter 3's bucketed DDP.
 :func:`train_reference` is the single-process run it equals.
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmlbook.advanced.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
 from dmlbook.models import CharGPT
-from dmlbook.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
 
 __all__ = [
     "DeviceMesh",
@@ -168,7 +168,7 @@ def train_hybrid(
     lr: float = 1e-2,
 ) -> TrainResult:
     """DP x TP training on ``mesh`` (dimensions "dp" and "tp"): every rank builds the whole model
-    from the same seed and :func:`~dmlbook.parallelize.parallelize` keeps its TP shard and
+    from the same seed and :func:`~dmlbook.advanced.parallelize.parallelize` keeps its TP shard and
     averages its gradients over its DP group; each rank trains on its DP slice of each batch.
     Returns the global loss per step and this rank's shard."""
     dp_rank, dp_size = mesh.local_rank("dp"), mesh.size("dp")

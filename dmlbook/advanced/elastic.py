@@ -7,7 +7,7 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
    meets the surviving agents again (the c10d *rendezvous*) and starts a fresh group at whatever
    world size is there now. Nothing survives in memory, so :func:`train_worker` (what each worker
    runs; ``examples/elastic_train.py`` is the script) checkpoints with chapter 3's atomic
-   :func:`dmlbook.checkpoint.save` and, on every start:
+   :func:`dmlbook.data_parallel.checkpoint.save` and, on every start:
 
    * resumes from the latest checkpoint: the model, the momentum, and the position in the epoch
      counted in **samples** (a position in batches means nothing once the batch size changes);
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from dmlbook import checkpoint as ckpt
 from dmlbook.data_parallel import accuracy, average_gradients, linear_scaling
+from dmlbook.data_parallel import checkpoint as ckpt
 from dmlbook.datasets import EXAMPLES_DIR, load_digits, shard_indices
 from dmlbook.models import mlp
 
@@ -196,7 +196,8 @@ def _init_from_torchrun() -> tuple[int, int]:
             # read the dead group's addresses and fail to connect (pytorch/pytorch#135712)
             raise RuntimeError(
                 "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, so "
-                "that every restarted group gets a fresh store (see dmlbook.elastic.AGENT_ENV)"
+                "that every restarted group gets a fresh store (see "
+                "dmlbook.advanced.elastic.AGENT_ENV)"
             )
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()

@@ -23,8 +23,9 @@ Chapter 12 ("Advanced techniques for further speed-ups") uses this module for fo
    lets two data-parallel jobs share the same ranks by time slices: each keeps its model and
    optimizer, and they take turns, ``slice_steps`` steps at a time. :func:`train_job` trains one
    job on however many ranks it is launched with, saving and resuming with chapter 3's
-   :mod:`dmlbook.checkpoint`; launched again on fewer ranks, the job has migrated. Because the
-   global batch and its order do not depend on the world size, both equal training the job alone.
+   :mod:`dmlbook.data_parallel.checkpoint`; launched again on fewer ranks, the job has migrated.
+   Because the global batch and its order do not depend on the world size, both equal training the
+   job alone.
 4. **Heterogeneous workers.** :func:`train_heterogeneous` throttles ranks on purpose (after
    computing, a rank spins for ``slowdown - 1`` times as long), measures each rank's speed, and
    gives each a share of the global batch in proportion to it (:func:`proportional_batches`).
@@ -51,9 +52,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dmlbook import checkpoint
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.data_parallel import BucketedDDP, NaiveDDP, average_gradients, broadcast_parameters
+from dmlbook.data_parallel import (
+    BucketedDDP,
+    NaiveDDP,
+    average_gradients,
+    broadcast_parameters,
+    checkpoint,
+)
 from dmlbook.datasets import make_classification, shard_indices
 from dmlbook.models import mlp
 

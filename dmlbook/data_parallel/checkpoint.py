@@ -75,7 +75,7 @@ __all__ = [
     "load_sharded",
 ]
 
-FORMAT = "dmlbook.checkpoint/1"
+FORMAT = "dmlbook.data_parallel.checkpoint/1"
 _NAME = re.compile(r"step-(\d+)\.pt")  # checkpoint_path's names; temporaries start with a dot
 
 
@@ -254,7 +254,8 @@ def _read(path: Path) -> dict:
         raise ValueError(f"{path} is not a readable checkpoint: {e}") from e
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(
-            f"{path} is not a {FORMAT} file (written by dmlbook.checkpoint.save); for a bare "
+            f"{path} is not a {FORMAT} file (written by "
+            "dmlbook.data_parallel.checkpoint.save); for a bare "
             "state_dict use model.load_state_dict(torch.load(path, weights_only=True))"
         )
     return checkpoint

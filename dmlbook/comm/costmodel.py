@@ -7,7 +7,7 @@ counted along its *critical path* (the chain of steps that cannot overlap)::
 
     time = messages * alpha + bytes * beta + bytes_reduced * gamma
 
-:func:`terms` gives those three numbers for each algorithm of :mod:`dmlbook.collectives`,
+:func:`terms` gives those three numbers for each algorithm of :mod:`dmlbook.comm.collectives`,
 :func:`all_reduce_time` and :func:`ps_time` turn them into seconds for a :class:`Link`, and
 :func:`fit` goes the other way: from measured times to the link's ``alpha``, ``beta`` (and
 ``gamma``). :func:`measure_point_to_point` measures a real link between two ranks, so that the

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dmlbook.recompute import SavedTensorMeter
+from dmlbook.model_parallel.recompute import SavedTensorMeter
 
 __all__ = [
     "linear_partition",

@@ -14,10 +14,10 @@ the whole model again.
 Why whole parameters: the wrapped optimizer sees each of its tensors whole, exactly as it would
 unsharded, so *any* optimizer works, including those whose update is not elementwise:
 Adafactor's row and column statistics and RMS clipping, the per-tensor trust ratios of LARS and
-LAMB, Shampoo's and Muon's matrix preconditioners. Flat-sharded ZeRO-1 (:mod:`dmlbook.zero`,
-DeepSpeed) cuts the flattened parameters at arbitrary elements, which is only right for an
-elementwise update such as SGD's or Adam's; anything else would need extra collectives for the
-norms and statistics that straddle a cut.
+LAMB, Shampoo's and Muon's matrix preconditioners. Flat-sharded ZeRO-1
+(:mod:`dmlbook.advanced.zero`, DeepSpeed) cuts the flattened parameters at arbitrary elements,
+which is only right for an elementwise update such as SGD's or Adam's; anything else would need
+extra collectives for the norms and statistics that straddle a cut.
 
 What whole parameters cost, compared with flat-sharded ZeRO-1:
 

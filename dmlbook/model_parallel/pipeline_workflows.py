@@ -1,15 +1,16 @@
 """Model-parallel workflows: train, fine-tune and serve a model cut into pipeline stages.
 
 Chapter 7 ("Model-parallel training and serving workflows") puts chapter 6's pipeline
-(:mod:`dmlbook.pipeline`) to work. Everything here is a *rank function* for
+(:mod:`dmlbook.model_parallel.pipeline`) to work. Everything here is a *rank function* for
 ``dmlbook.launch.run(fn, P, ...)``: rank s builds the whole model from the same seed, keeps stage
 s (``counts[s]`` consecutive layers) and runs its part of every step.
 
 - :func:`train_pipelined` is the one training loop for every pipeline: any number of stages
   (P = 1 is plain single-process training, with or without a process group), any split
-  (``counts`` from ``even_partition`` or a balancer, :mod:`dmlbook.stage_balancing`), any number
-  of micro-batches. ``microbatches=1`` turns pipelining off, ``> 1`` turns it on; nothing else
-  changes. :func:`train_reference` is the plain single-process loop it must agree with.
+  (``counts`` from ``even_partition`` or a balancer,
+  :mod:`dmlbook.model_parallel.stage_balancing`), any number of micro-batches. ``microbatches=1``
+  turns pipelining off, ``> 1`` turns it on; nothing else changes. :func:`train_reference` is the
+  plain single-process loop it must agree with.
   :class:`PipelinedTrainer` is that loop one step at a time, so that several splits can take
   turns on the same ranks and be timed under the same conditions.
 - Fine-tuning is training from other weights: :func:`with_weights` wraps a model factory so every
@@ -41,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook import pipeline as pp
 from dmlbook.datasets import char_blocks
 from dmlbook.launch import device as rank_device
+from dmlbook.model_parallel import pipeline as pp
 
 __all__ = [
     "PipelinedTrainer",

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dmlbook.launch import INSIDE_RUN
-from dmlbook.memory.estimate import format_bytes
-from dmlbook.memory.measure import cpu_peak_bytes, make_optimizer
-from dmlbook.memory.spec import OPTIMIZERS
+from dmlbook.model_parallel.memory.estimate import format_bytes
+from dmlbook.model_parallel.memory.measure import cpu_peak_bytes, make_optimizer
+from dmlbook.model_parallel.memory.spec import OPTIMIZERS
 
 # ---- A small device: a memory cap for one rank -------------------------------------------------
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from dmlbook import collectives
+from dmlbook.comm import collectives
 from dmlbook.datasets import load_digits
 from dmlbook.launch import device
 

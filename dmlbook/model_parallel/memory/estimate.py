@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from dmlbook import pipeline
-from dmlbook.memory.spec import (
+from dmlbook.model_parallel import pipeline
+from dmlbook.model_parallel.memory.spec import (
     _BYTES,
     ADAM_STEP_BYTES,
     ATTENTIONS,
@@ -22,7 +22,7 @@ from dmlbook.memory.spec import (
     _layer_params,
     state_bytes_per_parameter,
 )
-from dmlbook.recompute import (
+from dmlbook.model_parallel.recompute import (
     split_segments,
     sqrt_segments,
 )
@@ -269,7 +269,8 @@ def _layer_rows(
 
 def _activation_peak(rows: Sequence[LayerMemory], segments: int | None) -> int:
     """Peak saved bytes of layers run in order; with ``segments``, the blocks among them are
-    checkpointed as :func:`dmlbook.recompute.checkpoint_sequential` does (the last segment runs
+    checkpointed as :func:`dmlbook.model_parallel.recompute.checkpoint_sequential` does (the last
+    segment runs
     plainly), so the peak is the larger of the forward's and each segment's rerun in backward."""
     blocks = [i for i, r in enumerate(rows) if r.name.startswith("block")]
     if not segments or not blocks:

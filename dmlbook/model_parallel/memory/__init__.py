@@ -14,9 +14,10 @@ checked against our char-GPT on a CPU to within a few percent:
   ``block_saved_terms`` lists what one transformer block saves, tensor by tensor.
 - ``measure`` runs a real step of a ``CharGPT`` and measures the same components: parameter,
   gradient and optimizer-state bytes as allocated, saved activations with
-  :class:`dmlbook.recompute.SavedTensorMeter`, and the allocator's peak (``cpu_peak_bytes`` reads
-  it from the profiler on a CPU, :func:`dmlbook.recompute.cuda_peak_bytes` on a GPU);
-  ``measure_stage`` does it for one rank's stage of a model split over ranks.
+  :class:`dmlbook.model_parallel.recompute.SavedTensorMeter`, and the allocator's peak
+  (``cpu_peak_bytes`` reads it from the profiler on a CPU,
+  :func:`dmlbook.model_parallel.recompute.cuda_peak_bytes` on a GPU); ``measure_stage`` does it for
+  one rank's stage of a model split over ranks.
 - ``memory_cap`` turns a rank into a small device: past its budget, an allocation raises
   ``torch.OutOfMemoryError``, and the notebook that launched the rank is never at risk.
 - ``korthikanti_bytes`` is the published per-layer formula (Korthikanti et al. 2022, "Reducing
@@ -27,14 +28,14 @@ checked against our char-GPT on a CPU to within a few percent:
 
 The parts, each a module of this package: ``spec`` (what a model is, bytes per number),
 ``estimate``, ``measure``, ``device_cap`` (the memory cap) and ``hardware`` (the GPU table);
-every name is importable from ``dmlbook.memory`` itself.
+every name is importable from ``dmlbook.model_parallel.memory`` itself.
 """
 
-from dmlbook.memory.device_cap import (
+from dmlbook.model_parallel.memory.device_cap import (
     memory_cap,
     onednn_disabled,
 )
-from dmlbook.memory.estimate import (
+from dmlbook.model_parallel.memory.estimate import (
     LayerMemory,
     MemoryEstimate,
     block_saved_terms,
@@ -45,12 +46,12 @@ from dmlbook.memory.estimate import (
     largest_batch,
     layer_gemm_flops,
 )
-from dmlbook.memory.hardware import (
+from dmlbook.model_parallel.memory.hardware import (
     DGX1_NVLINK,
     GPU,
     GPUS,
 )
-from dmlbook.memory.measure import (
+from dmlbook.model_parallel.memory.measure import (
     MemoryMeasurement,
     cpu_peak_bytes,
     make_optimizer,
@@ -58,7 +59,7 @@ from dmlbook.memory.measure import (
     measure_stage,
     measure_step,
 )
-from dmlbook.memory.spec import (
+from dmlbook.model_parallel.memory.spec import (
     ATTENTIONS,
     BERT_BASE,
     BERT_LARGE,

@@ -30,7 +30,7 @@ included, but its reduce-scatter is an all-reduce from which each rank keeps its
 PRs #112144 and #118911): right numbers, twice the traffic of a real reduce-scatter. NCCL's is a
 real one. ``collectives="dmlbook"`` uses chapter 2's ring ``reduce_scatter`` / ``all_gather``,
 built from point-to-point messages: a real ring on every backend, and
-:func:`dmlbook.collectives.recording` counts each message it sends.
+:func:`dmlbook.comm.collectives.recording` counts each message it sends.
 
 :class:`MemoryMeter` measures what each stage holds: at every point of a step where the held
 set changes (each gather, each reduce-scatter, the end of backward, the step) it adds up the
@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dmlbook import collectives as C  # a parameter below is named "collectives"
+from dmlbook.comm import collectives as C  # a parameter below is named "collectives"
 from dmlbook.comm.groups import padded_block, padded_size
 from dmlbook.optim import adam_update_
 
