@@ -2,20 +2,29 @@
 
 * :func:`digits_mlp`: the 64-64-10 MLP for the 8x8 digits that chapters 2 and 3 train;
 * :func:`max_difference`: the largest elementwise difference between two state dicts, the number
-  chapters 7, 9 and 9b print when they compare a parallel run with one process.
+  chapters 7, 9 and 9b print when they compare a parallel run with one process;
+* :func:`median_by`: the median item of repeated measurements by a key (chapters 1 and 6 keep the
+  median round or step whole, so its parts stay consistent);
+* :func:`interleaved_medians`: the median time of several callables, timed in interleaved rounds
+  so that a busy moment on a shared machine hits all of them alike (chapter 8).
 
 Algorithms live in their own modules; this one only keeps the notebooks short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
 from dmlbook.models import MLP, mlp
 
-__all__ = ["digits_mlp", "max_difference"]
+__all__ = ["digits_mlp", "interleaved_medians", "max_difference", "median_by"]
+
+T = TypeVar("T")
 
 
 def digits_mlp(seed: int = 0) -> MLP:
@@ -34,3 +43,26 @@ def max_difference(
         (ours[name].detach().double() - ref.detach().double()).abs().max().item()
         for name, ref in reference.items()
     )
+
+
+def median_by(items: Sequence[T], key: Callable[[T], float]) -> T:
+    """The item whose ``key`` is the median (the upper one of an even count), kept whole."""
+    if not items:
+        raise ValueError("median_by of no items")
+    return sorted(items, key=key)[len(items) // 2]
+
+
+def interleaved_medians(fns: Mapping[str, Callable[[], object]], rounds: int = 5) -> dict:
+    """Each callable's median time in seconds over ``rounds`` rounds; each round calls every one
+    once, after one warm-up call each, so that a slow moment hits them all alike."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up: first calls allocate
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -104,7 +104,8 @@ def test_every_dmlbook_name_a_notebook_uses_exists(path):
 
 def test_the_drift_guard_catches_a_removed_function():
     sources = [
-        "from dmlbook.comm import collectives as c\nfrom dmlbook.launch import run, no_such_helper\n",
+        "from dmlbook.comm import collectives as c\n"
+        "from dmlbook.launch import run, no_such_helper\n",
         "c.chunk_holdings\nc.all_reduce_that_was_renamed(t)\n",
         "from dmlbook.exercises import ch01\nch01.check_shard\nch01.check_removed\n",
         "from dmlbook.module_that_was_split import helper\n",

@@ -5,9 +5,8 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.comm.groups import balanced_blocks
-from dmlbook.data_parallel import tuning
+from dmlbook.data_parallel import serving, tuning
 from dmlbook.launch import RankError, run
-from dmlbook.model_parallel import serving
 from dmlbook.models import mlp
 
 INPUTS = 37  # not divisible by 2, 3 or 4

@@ -1,8 +1,6 @@
-"""Serving: data-parallel inference (chapter 3), and making a model cheaper to train and serve
-(chapter 8, "Achieving higher throughput and lower latency").
+"""Making a model cheaper to train and serve (chapter 8, "Achieving higher throughput and lower
+latency"); chapter 3's data-parallel inference is :mod:`dmlbook.data_parallel.serving`.
 
-- ``data_parallel``: :func:`predict` splits the requests over the ranks and gathers the outputs
-  in order, each rank serving its block of ``comm.groups.balanced_blocks`` (chapter 3).
 - ``layers``: a model seen as a plain list of layers, the unit that chapter 8 freezes, streams
   from disk and decomposes.
 - ``freezing``: frozen layers compute no weight gradient and, as a prefix, save no activation.
@@ -11,15 +9,17 @@
 - ``lowrank``: truncated-SVD factorisation of linear layers, accuracy and speed against rank.
 - ``distillation``: a small student trained on a teacher's softened outputs (Hinton et al. 2015).
 - ``reduced_precision``: fp16, bf16 and int8 inference side by side: bytes, accuracy, latency.
+- ``quantization``: fp16 and int8 weights with their error, and an int8 x int8 matmul (chapters
+  4, 8 and 10).
 """
 
-from dmlbook.data_parallel.serving import predict
 from dmlbook.model_parallel.serving import (
     distillation,
     freezing,
     layers,
     lowrank,
     offload,
+    quantization,
     reduced_precision,
 )
 
@@ -29,6 +29,6 @@ __all__ = [
     "layers",
     "lowrank",
     "offload",
-    "predict",
+    "quantization",
     "reduced_precision",
 ]
