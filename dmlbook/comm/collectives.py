@@ -525,6 +525,20 @@ def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: 
         raise ValueError(f"transfer_dtype rounds partial sums: op must be SUM or AVG, got {op}")
 
 
+def _tree_setup(name: str, tensor, root_rank: int, root_name: str, group, check: bool):
+    """What reduce and broadcast check first. Returns (comm, the root's group rank), or None
+    when this rank has nothing to do: outside ``group``, alone in it, or an empty tensor."""
+    comm = _Comm(group, name)
+    if not comm.member():
+        return None
+    root = comm.group_rank(root_rank, root_name)
+    if check:
+        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
+    if comm.size == 1 or tensor.numel() == 0:
+        return None
+    return comm, root
+
+
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, check: bool = True) -> None:
     """Reduce ``tensor`` over the ranks onto global rank ``dst`` (binomial tree).
 
@@ -532,14 +546,9 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, check: b
     """
     _check_tensor(tensor)
     _check_op(op, tensor.dtype)
-    comm = _Comm(group, "reduce")
-    if not comm.member():
+    if (setup := _tree_setup("reduce", tensor, dst, "dst", group, check)) is None:
         return
-    root = comm.group_rank(dst, "dst")
-    if check:
-        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
-    if comm.size == 1 or tensor.numel() == 0:
-        return
+    comm, root = setup
     work = tensor.detach().clone().view(-1) if comm.rank != root else _flat(tensor)
     _tree_reduce(comm, work, root, op)
     if comm.rank == root:
@@ -550,14 +559,9 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, check: b
 def broadcast(tensor: torch.Tensor, src: int, group=None, check: bool = True) -> None:
     """Copy global rank ``src``'s ``tensor`` into every rank's ``tensor`` (binomial tree)."""
     _check_tensor(tensor)
-    comm = _Comm(group, "broadcast")
-    if not comm.member():
+    if (setup := _tree_setup("broadcast", tensor, src, "src", group, check)) is None:
         return
-    root = comm.group_rank(src, "src")
-    if check:
-        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
-    if comm.size == 1 or tensor.numel() == 0:
-        return
+    comm, root = setup
     flat = _flat(tensor)
     _tree_broadcast(comm, flat, root)
     _write_back(tensor, flat)
