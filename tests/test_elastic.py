@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dmlbook import models, netlab
 from dmlbook.advanced import elastic as el
+from dmlbook.advanced.elastic.adaptive_ps import _check_schedule
 from dmlbook.data_parallel import accuracy
 from dmlbook.datasets import load_digits
 from dmlbook.launch import run
@@ -134,7 +135,7 @@ def test_accuracy_within_noise_of_an_uninterrupted_run():
 def test_no_process_left_behind():
     run_dir, job = node_failure_job()
     assert len(job.worker_pids) == 3  # 2 workers, then 1 restarted
-    assert not [p for p in job.agent_pids + job.worker_pids if el._alive(p)]
+    assert not [p for p in job.agent_pids + job.worker_pids if el.alive(p)]
 
 
 def test_a_job_past_its_timeout_leaves_no_process_behind(tmp_path):
@@ -147,7 +148,7 @@ def test_a_job_past_its_timeout_leaves_no_process_behind(tmp_path):
 
     job = el.run_agents([cmd], tmp_path, timeout=0.1, during=until_a_worker_runs)
     assert job.timed_out and job.returncodes[0] != 0 and len(job.worker_pids) == 1
-    assert not [p for p in job.agent_pids + job.worker_pids if el._alive(p)]
+    assert not [p for p in job.agent_pids + job.worker_pids if el.alive(p)]
 
 
 # --------------------------------------------------------------------------- pure pieces
@@ -180,9 +181,9 @@ def test_bad_input_errors_clearly():
     with pytest.raises(RuntimeError, match="launch.run"):
         el.ps_train_adaptive(models.mlp, *load_digits("train"), members=[[1]], global_batch=8, lr=1)
     with pytest.raises(ValueError, match="round 1 has no worker"):
-        el._check_schedule([[1], []], 2)
+        _check_schedule([[1], []], 2)
     with pytest.raises(ValueError, match=r"round 0 lists workers \[1, 3\]"):
-        el._check_schedule([[1, 3]], 2)
+        _check_schedule([[1, 3]], 2)
     model, x = models.mlp(), load_digits("test")[0]
     with pytest.raises(ValueError, match="min_workers"):
         el.Autoscaler(min_workers=3, max_workers=2)
@@ -253,7 +254,7 @@ def test_serving_pool_follows_the_rate_and_answers_like_the_model():
     assert sizes[-1][1] <= 2  # and it shrank back after the burst
     assert len({p for p in report.worker_of}) >= 3  # the new workers really served requests
     time.sleep(0.2)
-    assert not [p for p in report.pids if el._alive(p)]
+    assert not [p for p in report.pids if el.alive(p)]
 
 
 # --------------------------------------------------------------------------- a whole host dies
@@ -312,7 +313,7 @@ def test_netns_host_killed_agent_recovers_on_the_other_host(tmp_path):
     assert restart["lr"] == pytest.approx(before["lr"] / 2)
     (end,) = timeline.events("end")
     assert end["accuracy"] > 0.6  # one epoch, half of it on one host: far above chance (0.1)
-    assert not [p for p in job.agent_pids + job.worker_pids if el._alive(p)]
+    assert not [p for p in job.agent_pids + job.worker_pids if el.alive(p)]
     print(
         f"\nh1 killed, h0 restarted at world 1 after {restart['time'] - killed['time']:.1f} s, "
         f"resumed at step {restart['resume_step']}; job {job.seconds:.1f} s"

@@ -1,0 +1,294 @@
+"""Elastic data-parallel training under torchrun's agent: resume, re-partition, rescale (ch. 11)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmlbook.data_parallel import accuracy, average_gradients, linear_scaling
+from dmlbook.data_parallel import checkpoint as ckpt
+from dmlbook.datasets import load_digits, shard_indices
+from dmlbook.models import mlp
+
+# --------------------------------------------------------------------------- the timeline
+
+
+class Timeline:
+    """Events of an elastic run, one JSON object per line of ``<run_dir>/timeline.jsonl``.
+
+    Every event has ``event`` and ``time`` (wall clock, ``time.time()``). Appends are single
+    ``write`` calls of whole lines on a file opened for appending, so the events of a process that
+    is killed right after are already in the file.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / "timeline.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, event: str, **fields: Any) -> dict:
+        entry = {"event": event, "time": time.time(), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        return entry
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        """Every event so far (of ``kind`` only, if given), in the order they were written."""
+        if not self.path.exists():
+            return []
+        entries = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return [e for e in entries if kind is None or e["event"] == kind]
+
+
+# --------------------------------------------------------------------------- data and LR
+
+
+def epoch_order(samples: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's shuffled order of all samples: the same on every rank, at any world size."""
+    return shard_indices(samples, 0, 1, shuffle=True, seed=seed, epoch=epoch)
+
+
+def rank_batch(
+    order: Sequence[int], position: int, local_batch: int, rank: int, world_size: int
+) -> list[int]:
+    """Rank ``rank``'s part of the global batch that starts at ``position`` in ``order``.
+
+    The global batch is the next ``local_batch * world_size`` samples (fewer at the end of the
+    epoch); rank r takes a contiguous part of it, sizes differing by at most one. The parts of all
+    ranks are exactly the global batch, whatever the world size: resizing loses and repeats nothing.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    if local_batch < 1 or not 0 <= position < len(order):
+        raise ValueError(f"need local_batch >= 1 and 0 <= position < {len(order)}")
+    batch = order[position : position + local_batch * world_size]
+    cuts = [len(batch) * r // world_size for r in range(world_size + 1)]
+    return list(batch[cuts[rank] : cuts[rank + 1]])
+
+
+def lr_for(world_size: int, *, base_lr: float, base_batch: int, local_batch: int) -> float:
+    """The learning rate at this world size: the linear rule on the global batch."""
+    return linear_scaling(base_lr, base_batch, local_batch * world_size)
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Everything that fixes an elastic run. ``kill_*`` plant one failure, once per run directory:
+    at global step ``kill_step`` rank ``kill_rank`` SIGKILLs itself (``kill="worker"``) or its
+    agent and then itself (``kill="node"``: the whole machine is gone)."""
+
+    run_dir: str
+    epochs: int = 3
+    local_batch: int = 16
+    base_lr: float = 0.1
+    base_batch: int = 32
+    momentum: float = 0.9
+    every: int = 10  # checkpoint every this many steps
+    seed: int = 0
+    kill_step: int | None = None
+    kill_rank: int = 1
+    kill: str = "worker"
+    step_delay: float = 0.0  # seconds of sleep per step, to make a run long enough to watch
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.local_batch < 1 or self.base_batch < 1 or self.every < 1:
+            raise ValueError(
+                f"epochs, local_batch, base_batch and every must be >= 1, got {self.epochs}, "
+                f"{self.local_batch}, {self.base_batch}, {self.every}"
+            )
+        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ValueError(f"base_lr must be a number > 0, got {self.base_lr}")
+        if self.kill not in ("worker", "node"):
+            raise ValueError(f"kill must be 'worker' or 'node', got {self.kill!r}")
+        if self.kill_step is not None and self.kill_step < 1:
+            raise ValueError(f"kill_step must be >= 1 (a global step), got {self.kill_step}")
+
+
+# --------------------------------------------------------------------------- elastic training
+
+
+def _init_from_torchrun() -> tuple[int, int]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    if not dist.is_initialized():
+        missing = [
+            v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+        ]
+        if missing:
+            raise RuntimeError(
+                f"train_worker runs under torchrun (missing {missing}); e.g. torchrun "
+                "--standalone --nproc-per-node 2 --max-restarts 1 examples/elastic_train.py RUN_DIR"
+            )
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torch >= 2.5 lends the agent's store to the workers; a restarted group can then
+            # read the dead group's addresses and fail to connect (pytorch/pytorch#135712)
+            raise RuntimeError(
+                "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, so "
+                "that every restarted group gets a fresh store (see "
+                "dmlbook.advanced.elastic.AGENT_ENV)"
+            )
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _plant_failure(config: ElasticConfig, timeline: Timeline, rank: int, step: int) -> None:
+    """Kill this worker (or its whole node) once per run directory, at the planned step."""
+    if config.kill_step != step or config.kill_rank != rank:
+        return
+    marker = Path(config.run_dir) / "killed"
+    try:
+        marker.open("x").close()  # only the first attempt that gets here kills
+    except FileExistsError:
+        return
+    timeline.record("kill", rank=rank, step=step, what=config.kill, pid=os.getpid())
+    if config.kill == "node":  # the agent first, so nothing is left to notice and clean up
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_worker(config: ElasticConfig) -> dict | None:
+    """One worker of elastic data-parallel training; torchrun starts it (again after failures).
+
+    Returns the final test accuracy and state on rank 0, None elsewhere.
+    """
+    rank, world = _init_from_torchrun()
+    run_dir, timeline = Path(config.run_dir), Timeline(config.run_dir)
+    torch.manual_seed(config.seed)
+    x, y = load_digits("train")
+    model = mlp(seed=config.seed)
+    lr = lr_for(world, base_lr=config.base_lr, base_batch=config.base_batch,
+                local_batch=config.local_batch)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+    epoch, position, step, resumed = _resume(run_dir, model, optimizer, lr)  # 1. resume
+    generation = _start_generation(config, timeline, rank, world, lr, step, epoch, position,
+                                   resumed)  # 2. a generation number per (re)start  # fmt: skip
+    with open(run_dir / "pids.txt", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    samples_log = open(run_dir / f"samples-g{generation}-r{rank}.jsonl", "a", buffering=1)
+    # 3. Train: each global batch is re-partitioned for *this* world size.
+    while epoch < config.epochs:
+        order = epoch_order(len(x), config.seed, epoch)
+        while position < len(order):
+            idx = rank_batch(order, position, config.local_batch, rank, world)
+            global_size = min(config.local_batch * world, len(order) - position)
+            loss = _step(model, optimizer, x[idx], y[idx], global_size)
+            step, position = step + 1, position + global_size
+            samples_log.write(json.dumps([step, epoch, idx]) + "\n")
+            dist.all_reduce(loss)  # the global batch's mean loss, for the curve
+            if rank == 0:
+                timeline.record("step", step=step, loss=loss.item(), world=world, lr=lr,
+                                generation=generation)  # fmt: skip
+            # where the next step starts: the next epoch once this one is used up
+            after = (epoch + 1, 0) if position == len(order) else (epoch, position)
+            if step % config.every == 0 or after[0] == config.epochs:
+                _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank)
+            _plant_failure(config, timeline, rank, step)
+            if config.step_delay:
+                time.sleep(config.step_delay)
+        epoch, position = epoch + 1, 0
+    samples_log.close()
+    result = _finish(run_dir, model, step, world, timeline) if rank == 0 else None
+    dist.destroy_process_group()
+    return result
+
+
+def _resume(run_dir: Path, model: nn.Module, optimizer, lr: float) -> tuple:
+    """(epoch, position in samples, step, what it resumed from) from the latest checkpoint, with
+    this world's learning rate set again (``load`` brings back the old one); zeros if none."""
+    epoch, position, step, resumed = 0, 0, 0, None
+    if (path := ckpt.latest(run_dir / "checkpoints")) is not None:
+        with warnings.catch_warnings():  # a new world size is the point here, not a surprise
+            warnings.simplefilter("ignore", RuntimeWarning)
+            loaded = ckpt.load(path, model=model, optimizer=optimizer)
+        epoch, position = loaded.progress.epoch, loaded.extra["position"]
+        step, resumed = loaded.progress.step, dict(world=loaded.world_size, lr=loaded.extra["lr"])
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return epoch, position, step, resumed
+
+
+def _start_generation(config, timeline, rank, world, lr, step, epoch, position, resumed) -> int:
+    """Rank 0 counts earlier starts and tells the others; it records this start's settings."""
+    generation = torch.tensor([len(timeline.events("start"))] if rank == 0 else [0])
+    dist.broadcast(generation, 0)
+    if rank == 0:
+        timeline.record(
+            "start", generation=int(generation), world=world, lr=lr,
+            global_batch=config.local_batch * world, resume_step=step, epoch=epoch,
+            position=position, resumed_from=resumed,
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+        )  # fmt: skip
+    return int(generation)
+
+
+def _step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor, global_size: int):
+    """One SGD step on this rank's part of a global batch; returns its share of the mean loss."""
+    # sum of per-sample losses / global batch: the all-reduced SUM is the mean gradient
+    loss = F.cross_entropy(model(x), y, reduction="sum") / global_size
+    optimizer.zero_grad()
+    loss.backward()
+    average_gradients(model, algorithm="ring", divide_by=1)  # chapter 2's ring all-reduce
+    optimizer.step()
+    return loss.detach().reshape(1)
+
+
+def _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank) -> None:
+    """Chapter 3's atomic checkpoint at ``step``; rank 0 keeps only the two newest."""
+    progress, extra = ckpt.Progress(epoch=after[0], step=step), {"position": after[1], "lr": lr}
+    ckpt.save(ckpt.checkpoint_path(run_dir / "checkpoints", step), model=model,
+              optimizer=optimizer, progress=progress, extra=extra)  # fmt: skip
+    if rank == 0:
+        timeline.record("checkpoint", step=step, epoch=after[0], position=after[1])
+        for old in sorted((run_dir / "checkpoints").glob("step-*.pt"))[:-2]:
+            old.unlink(missing_ok=True)
+
+
+def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) -> dict:
+    """Rank 0: the test accuracy, and the final model saved atomically."""
+    x_test, y_test = load_digits("test")
+    result = dict(accuracy=accuracy(model, x_test, y_test), step=step, world=world)
+    ckpt.atomic_save({"model": model.state_dict(), **result}, run_dir / "final.pt")
+    timeline.record("end", **result)
+    return result
+
+
+def train_reference(config: ElasticConfig, world_size: int) -> tuple[nn.Module, list[float]]:
+    """The uninterrupted run at ``world_size``, in one process: the same global batches, the same
+    LR, the mean gradient computed at once. Returns the model and the loss at every step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny MLP: threads only wait for each other on a busy machine
+    try:
+        return _train_reference(config, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(config: ElasticConfig, world_size: int) -> tuple[nn.Module, list[float]]:
+    x, y = load_digits("train")
+    model = mlp(seed=config.seed)
+    lr = lr_for(world_size, base_lr=config.base_lr, base_batch=config.base_batch,
+                local_batch=config.local_batch)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+    losses, global_batch = [], config.local_batch * world_size
+    for epoch in range(config.epochs):
+        order = epoch_order(len(x), config.seed, epoch)
+        for start in range(0, len(order), global_batch):
+            idx = order[start : start + global_batch]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return model, losses
