@@ -108,6 +108,9 @@ def _plant_wrong_answer(cell):
     return cell
 
 
+# A whole chapter and its exercises run here: up to ~2 minutes on a quiet 2-core machine (chapter
+# 4) and 2-5x that on a loaded one (`pytest --busy 2`). The limit only has to catch a hang.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_student_copy_runs_not_attempted_then_solutions_pass_and_a_wrong_answer_fails(
     path, tmp_path
