@@ -76,16 +76,21 @@ class Autoscaler:
 
 
 @dataclass(frozen=True)
-class FixedPool(Autoscaler):
+class FixedPool:
     """A pool that keeps ``workers`` whatever the rate: the baseline an autoscaler is measured
-    against (it still records the rate it sees every ``interval``)."""
+    against (it still records the rate it sees every ``interval``, over ``window``)."""
 
     workers: int = 2
+    interval: float = 0.2
+    window: float = 0.6
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "min_workers", self.workers)
-        object.__setattr__(self, "max_workers", self.workers)
-        super().__post_init__()
+        if self.workers < 1 or self.interval <= 0 or self.window <= 0:
+            raise ValueError("need workers >= 1, and interval, window > 0")
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers
 
     def workers_for(self, rate: float, service_s: float) -> int:
         return self.workers
@@ -151,7 +156,7 @@ def serve_elastic(
     phases: Sequence[tuple[float, float]],
     *,
     service_s: float = 0.02,
-    scaling: Autoscaler | None = None,
+    scaling: Autoscaler | FixedPool | None = None,
 ) -> ServingReport:
     """Serve ``inputs`` (one request per row, cycling) at the rates ``phases`` = [(seconds,
     requests per second), ...] with a pool of worker processes sized by ``scaling``
