@@ -36,12 +36,13 @@ Chapter 12 ("Advanced techniques for further speed-ups") uses this module for fo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,13 +55,18 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel import (
+    Batch,
     BucketedDDP,
+    Callback,
+    GradientAveraging,
+    LoopState,
     NaiveDDP,
-    average_gradients,
     broadcast_parameters,
     checkpoint,
+    strided_batches,
+    train_loop,
 )
-from dmlbook.datasets import make_classification, shard_indices
+from dmlbook.datasets import make_classification
 from dmlbook.models import mlp
 
 __all__ = [
@@ -88,7 +94,7 @@ __all__ = [
     "proportional_batches",
     "equal_batches",
     "HeteroRun",
-    "local_backward",
+    "union_batches",
     "train_heterogeneous",
     "train_union_reference",
 ]
@@ -388,30 +394,23 @@ class _JobState:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=job.lr, momentum=job.momentum)
         self.step = 0
         self.losses: list[float] = []
-        self._shard: tuple[int, list[int]] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
         return self.job.samples // self.job.global_batch
 
     def train(self, steps: int) -> None:
-        """``steps`` more steps of chapter 1's loop (the global batch is world-size independent)."""
-        local = self.job.global_batch // self.world
-        for _ in range(steps):
-            epoch, t = divmod(self.step, self.steps_per_epoch)
-            if self._shard is None or self._shard[0] != epoch:
-                order = shard_indices(
-                    self.job.samples, self.rank, self.world, seed=self.job.seed, epoch=epoch
-                )
-                self._shard = (epoch, order)
-            idx = self._shard[1][t * local : (t + 1) * local]
-            loss = F.cross_entropy(self.model(self.x[idx]), self.y[idx])  # compute
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            average_gradients(self.model, self.group)  # communication
-            self.opt.step()
-            self.step += 1
-            self.losses.append(loss.item())
+        """``steps`` more steps of chapter 1's loop, from where the job stopped (the global batch
+        is world-size independent)."""
+        epochs = -(-(self.step + steps) // self.steps_per_epoch)
+        batches = strided_batches(self.job.samples, self.job.global_batch, rank=self.rank,
+                                  world_size=self.world, epochs=epochs, seed=self.job.seed,
+                                  start=divmod(self.step, self.steps_per_epoch))  # fmt: skip
+        batches = itertools.islice(batches, steps)
+        done = train_loop(self.model, self.opt, self.x, self.y, batches, step=self.step,
+                          group=self.group)  # fmt: skip
+        self.step = done.step
+        self.losses += done.losses
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -602,43 +601,71 @@ class HeteroRun:
         return self.global_batch / ordered[len(ordered) // 2]
 
 
-def _throttled(slowdown: float, compute: Callable, *args) -> None:
-    """Run ``compute(*args)``, then keep the core busy until ``slowdown`` times its time has
-    passed: a processor ``slowdown`` times slower. Spinning, unlike sleeping, holds the core, so
-    other work on the machine cannot use the gap (and a sleeper is not woken ahead of busy
-    processes); unlike repeating the computation, it is not sped up by warm caches."""
-    start = time.perf_counter()
-    compute(*args)
-    until = start + slowdown * (time.perf_counter() - start)
-    while time.perf_counter() < until:
+class _Throttle(Callback):
+    """A processor ``slowdown`` times slower: after each backward pass the rank keeps its core
+    busy until ``slowdown`` times the step's compute time has passed. Spinning, unlike sleeping,
+    holds the core, so other work on the machine cannot use the gap (and a sleeper is not woken
+    ahead of busy processes); unlike repeating the computation, it is not sped up by warm
+    caches. It also times each whole step."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown, self.step_s, self.start = slowdown, [], 0.0
+
+    def on_step_start(self, state: LoopState) -> None:
+        self.start = time.perf_counter()
+
+    def after_backward(self, state: LoopState) -> None:
+        until = self.start + self.slowdown * (time.perf_counter() - self.start)
+        while time.perf_counter() < until:
+            pass
+
+    def on_step(self, state: LoopState) -> None:
+        self.step_s.append(time.perf_counter() - self.start)
+
+
+def union_batches(
+    samples: int, split: Sequence[int], rank: int, steps: int, seed: int, weighted: bool = True
+) -> Iterable[Batch]:
+    """Chapter 12's batch plan: step t's global batch is the t-th ``sum(split)`` samples of the
+    epoch's shuffle, and rank r takes ``split[r]`` of them. ``weighted`` makes each rank's loss
+    its share of the global mean (the sum over ranks is then the single-process gradient);
+    otherwise each rank's own mean, which plain DDP averages."""
+    global_batch, offset = sum(split), sum(split[:rank])
+    per_epoch = samples // global_batch
+    for step in range(steps):
+        epoch, t = divmod(step, per_epoch)
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
+        part = order[t * global_batch + offset : t * global_batch + offset + split[rank]]
+        yield Batch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch,
+                    global_size=global_batch if weighted else None)  # fmt: skip
+
+
+def _probe_speeds(job: Job, model: nn.Module, x, y, slowdown: float, probe_steps: int, group):
+    """Every rank's samples per second, each measured over ``probe_steps`` throttled backward
+    passes (after a warm-up), then all-gathered."""
+    rank, world = group_rank_size(group)
+    batch = max(1, job.global_batch // world)
+    probe = [Batch(0, 0, range(batch))] * (probe_steps + 1)
+    throttle = _Throttle(slowdown)
+    no_step = torch.optim.SGD(model.parameters(), lr=0.0)  # the probe must not train
+    train_loop(model, no_step, x, y, probe, sync=_NoSync(), callbacks=[throttle], group=group)
+    median_s = sorted(throttle.step_s[1:])[probe_steps // 2]  # the first was a warm-up
+    mine = torch.tensor([batch / median_s], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(every, mine, group=group)  # communication: every rank's speed
+    else:
+        every = [mine]
+    return [t.item() for t in every]
+
+
+class _NoSync:
+    """No synchronisation: each rank on its own (the speed probe)."""
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
         pass
 
-
-def local_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batch: int | None):
-    """Backward of this rank's loss into fresh ``.grad``: its samples' share of the union batch's
-    mean loss (summed loss / ``global_batch``), or with ``None`` its own mean loss, whose
-    average over the ranks weighs a sample of a small batch more than one of a large batch."""
-    out = model(x)
-    if global_batch is None:
-        loss = F.cross_entropy(out, y)
-    else:
-        loss = F.cross_entropy(out, y, reduction="sum") / global_batch
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return loss
-
-
-def _sgd_step(model: nn.Module, lr: float) -> None:
-    """Plain SGD, p <- p - lr * grad, written out (as ``torch.optim.SGD`` without momentum)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(p.grad, alpha=-lr)
-
-
-def _union_batch(samples: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
-    epoch, t = divmod(step, samples // global_batch)
-    order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
-    return order[t * global_batch : (t + 1) * global_batch]
+    after_step = finish = after_backward
 
 
 def train_heterogeneous(
@@ -673,19 +700,7 @@ def train_heterogeneous(
     if batches == "equal":
         split = equal_batches(B, world)
     elif batches == "proportional":
-        probe = x[: max(1, B // world)], y[: max(1, B // world)]
-        for i in range(probe_steps + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            _throttled(slowdown[rank], local_backward, model, *probe, None)
-            if i:
-                speeds.append(len(probe[0]) / (time.perf_counter() - start))
-        mine = torch.tensor([sorted(speeds)[len(speeds) // 2]], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(world)]
-        if world > 1:
-            dist.all_gather(every, mine, group=group)  # communication: every rank's speed
-        else:
-            every = [mine]
-        speeds = [t.item() for t in every]
+        speeds = _probe_speeds(job, model, x, y, slowdown[rank], probe_steps, group)
         split = proportional_batches(speeds, B)
     elif isinstance(batches, str):
         raise ValueError(f"batches is 'equal', 'proportional' or a list, got {batches!r}")
@@ -693,29 +708,24 @@ def train_heterogeneous(
         split = [int(b) for b in batches]
         if len(split) != world or sum(split) != B or min(split) < 1:
             raise ValueError(f"batches {split} need {world} sizes >= 1 summing to {B}")
-    offset = sum(split[:rank])
-    step_s = []
-    for step in range(steps):
-        start = time.perf_counter()
-        idx = _union_batch(job.samples, B, step, job.seed)[offset : offset + split[rank]]
-        _throttled(slowdown[rank], local_backward, model, x[idx], y[idx], B if weighted else None)
-        if world > 1:
-            # communication: weighted, the sum is the answer; else the mean, as plain DDP
-            average_gradients(model, group, divide_by=1 if weighted else None)
-        _sgd_step(model, job.lr)
-        step_s.append(time.perf_counter() - start)
+    throttle = _Throttle(slowdown[rank])
+    # weighted, the sum of the ranks' gradients is the answer; else their mean, as plain DDP
+    sync = GradientAveraging(divide_by=1 if weighted else None)
+    plan = union_batches(job.samples, split, rank, steps, job.seed, weighted)
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr)
+    train_loop(model, opt, x, y, plan, sync=sync, callbacks=[throttle], group=group)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return HeteroRun(rank, split, speeds, step_s, state, B)
+    return HeteroRun(rank, split, speeds, throttle.step_s, state, B)
 
 
 def train_union_reference(job: Job, steps: int) -> dict[str, torch.Tensor]:
     """Single-process SGD on the same union batches: what :func:`train_heterogeneous` must equal."""
     x, y = job.data()
     model = job.model()
-    for step in range(steps):
-        idx = _union_batch(job.samples, job.global_batch, step, job.seed)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr)
+    for batch in union_batches(job.samples, [job.global_batch], 0, steps, job.seed):
+        loss = F.cross_entropy(model(x[batch.samples]), y[batch.samples])
+        opt.zero_grad(set_to_none=True)
         loss.backward()
-        _sgd_step(model, job.lr)
+        opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
