@@ -16,7 +16,7 @@ teaches it.
   distillation, quantization, reduced precision)
 * ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``,
   ``parallelize``, ``mesh``, ``zero``, ``sharded_optimizer``, ``federated``, ``elastic``,
-  ``profiling``
+  ``speedups``
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
   repeat), ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
   (``python -m dmlbook.bench``: each implementation against torch's own)

@@ -10,6 +10,6 @@
 * ``federated``: FedAvg, non-IID splits, secure aggregation (chapter 10)
 * ``elastic``: elastic training under torchrun, an adaptive parameter server, an autoscaled
   serving pool (chapter 11)
-* ``profiling``: compute against communication, job multiplexing and migration, heterogeneous
-  workers (chapter 12)
+* ``speedups``: profiling compute against communication, job multiplexing and migration,
+  heterogeneous workers (chapter 12)
 """
