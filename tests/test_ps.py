@@ -283,6 +283,10 @@ def bad_arguments():
         "bad lr": dict(servers=1, lr=float("nan")),
         "empty server": dict(servers=2, sharding="tensor", model_fn=one_tensor),
         "buffers": dict(servers=1, model_fn=lambda: torch.nn.BatchNorm1d(12)),
+        "round without workers": dict(servers=1, epochs=1, members=[[1], []]),
+        "a server in a round": dict(servers=1, epochs=1, members=[[0, 2]]),
+        "a worker twice": dict(servers=1, epochs=1, members=[[2, 2]]),
+        "members async": dict(servers=1, mode="async", members=[[1]]),
     }
     messages = {}
     for name, kwargs in cases.items():
@@ -310,6 +314,11 @@ def test_bad_arguments_are_clear_errors_on_every_rank():
         "bad lr": "lr must be",
         "empty server": "leave a server empty",
         "buffers": "serves parameters only",
+        "round without workers": "round 1 has no worker",
+        "a server in a round": "round 0 lists workers [0, 2]: each must appear once and be a "
+        "worker rank in 1..2 (ranks 0..0 serve)",
+        "a worker twice": "round 0 lists workers [2, 2]",
+        "members async": "members needs mode='sync'",
     }
     assert per_rank[0].keys() == expected.keys()
     for name, text in expected.items():

@@ -30,16 +30,23 @@ worker:
   gradients of faster workers;
 * ``mode="async"``: no bound, every gradient is applied on arrival, whatever its age.
 
-In ssp and async a gradient is applied as ``lr / W * grad``, so that W pushes move the model as far
-as one synchronous step: the modes differ in staleness, not in step size. Each server records, for
-every gradient, how many updates it applied between the worker's pull and that push.
+Each worker's loss is its samples' share of the global batch's mean (summed loss / global batch),
+so the server *adds* the gradients of a synchronous step, and in ssp and async applies each one
+as it comes: W pushes move the model as far as one synchronous step, and the modes differ in
+staleness, not in step size. Each server records, for every gradient, how many updates it
+applied between the worker's pull and that push.
+
+**Workers that join and leave** (chapter 11). With ``members``, step ``r`` is a *round* whose
+global batch (the next ``global_batch`` samples of the epoch's order) is split among the workers
+``members[r]`` only; a worker waits until its first round and stops after its last. The server
+steps with the sum of that round's gradients: SGD on the global batch, whoever computed it.
 
 **Messages.** Only tensors travel, with ``torch.distributed`` send/recv (over gloo; a gloo group is
 made when the default backend is NCCL). Requests are int64 headers ``[kind, clock, version]``
 (pull, push, done); a push is followed by the gradient slice, a pull is answered by a header
-``[version, slowest clock]`` and the shard. Nothing is unpickled off the network. Every rank counts
-the bytes it sends and receives (:class:`Traffic`), so the notebook can show the server hot spot;
-:func:`bytes_per_step` gives the same numbers on paper.
+``[version, how far the worker is ahead]`` and the shard. Nothing is unpickled off the network.
+Every rank counts the bytes it sends and receives (:class:`Traffic`), so the notebook can show the
+server hot spot; :func:`bytes_per_step` gives the same numbers on paper.
 
 **A worker that dies ends the run with an error; the server never applies part of a gradient.**
 Gloo's any-source receive (``recv(src=None)``) does not notice a peer that dies with nothing in
@@ -81,6 +88,7 @@ __all__ = [
     "ServerResult",
     "WorkerResult",
     "WorkerLost",
+    "global_losses",
 ]
 
 MODES = ("sync", "ssp", "async")
@@ -174,6 +182,7 @@ class ServerResult:
     clock_gap: list[int]  # per pull answered: how far that worker was ahead of the slowest
     traffic: Traffic
     seconds: float
+    members: list[list[int]] = field(default_factory=list)  # sync: whose gradients made each step
 
 
 @dataclass
@@ -183,7 +192,9 @@ class WorkerResult:
     rank: int
     worker: int  # its index among the workers, 0 .. W-1
     steps: int
-    loss: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)  # per step: the mean loss of its samples
+    rounds: list[int] = field(default_factory=list)  # the global steps it worked in
+    samples: list[list[int]] = field(default_factory=list)  # per step: its sample indices
     clock_gap: list[int] = field(default_factory=list)  # per step, largest over the servers
     traffic: Traffic = field(default_factory=Traffic)
     seconds: float = 0.0
@@ -218,14 +229,17 @@ def train(
     sharding: str = "flat",
     delay: Sequence[float] | None = None,
     loss_fn: Callable = F.cross_entropy,
+    members: Sequence[Sequence[int]] | None = None,
 ) -> ServerResult | WorkerResult:
     """Train ``model_fn()`` on ``(x, y)`` with chapter 2's parameter server; every rank calls this.
 
     ``model_fn`` must build the same weights on every rank (the ``dmlbook.models`` factories take
     a seed). Workers split each epoch as :func:`~dmlbook.datasets.shard_indices` does, so
     ``mode="sync"`` equals single-process SGD with batch ``global_batch``. ``delay`` gives each
-    worker extra seconds per step, to play a straggler. Servers return a :class:`ServerResult`,
-    workers a :class:`WorkerResult`; :func:`assemble_model` puts the model back together.
+    worker extra seconds per step, to play a straggler. ``members[r]`` lists the worker ranks of
+    step ``r`` (chapter 11's workers that join and leave; sync only), instead of ``epochs``.
+    Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
+    :func:`assemble_model` puts the model back together.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -236,16 +250,75 @@ def train(
     model = model_fn()
     sizes = [p.numel() for p in model.parameters()]
     _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay)
+    workers = world - servers
+    if members is not None:
+        _check_members(members, servers, workers, mode, epochs)
+    elif global_batch % workers:
+        raise ValueError(
+            f"global_batch={global_batch} must be a positive multiple of the {workers} workers"
+        )
     ranges = shard_ranges(sizes, servers, sharding)
     if any(not r or r[0][0] == r[0][1] for r in ranges):
         raise ValueError(f"the {sum(sizes)} parameters leave a server empty with servers={servers}")
     # Parameter-server traffic is CPU tensors over gloo, also when the default backend is NCCL.
     comm = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    cfg = dict(servers=servers, workers=world - servers, ranges=ranges, comm=comm)
+    cfg = dict(servers=servers, workers=workers, ranges=ranges, comm=comm)
     if rank < servers:
         bound = {"sync": 0, "ssp": staleness, "async": math.inf}[mode]
-        return _serve(model, rank, lr, mode, bound, **cfg)
-    return _work(model, rank, x, y, global_batch, epochs, seed, delay, loss_fn, **cfg)
+        return _serve(model, rank, lr, mode, bound, members, **cfg)
+    plan = _plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
+    return _work(model, rank, x, y, plan, global_batch, delay, loss_fn, **cfg)
+
+
+def _check_members(members, servers: int, workers: int, mode: str, epochs: int) -> None:
+    """Every step needs a worker, each listed once, and the rounds fix the steps."""
+    if mode != "sync" or epochs != 1:
+        raise ValueError(f"members needs mode='sync' and no epochs (got {mode!r}, {epochs})")
+    if not members:
+        raise ValueError("members needs at least one round")
+    for r, ids in enumerate(members):
+        if not ids:
+            raise ValueError(f"round {r} has no worker: a parameter server needs at least one")
+        if len(set(ids)) != len(ids) or not all(servers <= w < servers + workers for w in ids):
+            raise ValueError(
+                f"round {r} lists workers {list(ids)}: each must appear once and be a worker "
+                f"rank in {servers}..{servers + workers - 1} (ranks 0..{servers - 1} serve)"
+            )
+
+
+def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
+    """This worker's steps: (global step, its sample indices), in order.
+
+    Without ``members`` every worker works every step, on its strided share of the epoch
+    (:func:`~dmlbook.datasets.shard_indices`). With them, round r's global batch is the next
+    ``global_batch`` samples of the epoch's order (a short tail starts the next epoch), cut
+    among the round's workers."""
+    me = rank - servers
+    if members is None:
+        local, per_epoch = global_batch // workers, samples // global_batch
+        for epoch in range(epochs):
+            shard = shard_indices(samples, me, workers, shuffle=True, seed=seed, epoch=epoch)
+            for t in range(per_epoch):
+                yield epoch * per_epoch + t, shard[t * local : (t + 1) * local]
+        return
+    per_epoch = samples // global_batch
+    for r, ids in enumerate(members):
+        if rank in ids:
+            epoch, t = divmod(r, per_epoch)
+            order = shard_indices(samples, 0, 1, shuffle=True, seed=seed, epoch=epoch)
+            batch = order[t * global_batch : (t + 1) * global_batch]
+            start, stop = balanced_blocks(len(batch), len(ids))[list(ids).index(rank)]
+            yield r, batch[start:stop]
+
+
+def global_losses(results: Sequence[ServerResult | WorkerResult], global_batch: int) -> list:
+    """The global batch's mean loss at each step, from the workers' results."""
+    total: dict[int, float] = {}
+    for r in results:
+        if isinstance(r, WorkerResult):
+            for step, loss, idx in zip(r.rounds, r.loss, r.samples, strict=True):
+                total[step] = total.get(step, 0.0) + loss * len(idx) / global_batch
+    return [total[step] for step in sorted(total)]
 
 
 def _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay):
@@ -266,10 +339,8 @@ def _check(model, x, y, servers, world, global_batch, lr, epochs, mode, stalenes
         raise ValueError(f"staleness={staleness} needs mode='ssp' (mode is {mode!r})")
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    if global_batch < 1 or global_batch % workers:
-        raise ValueError(
-            f"global_batch={global_batch} must be a positive multiple of the {workers} workers"
-        )
+    if global_batch < 1:
+        raise ValueError(f"global_batch={global_batch} must be >= 1")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
     if global_batch > len(x):
@@ -346,7 +417,7 @@ def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, co
         events.put((worker, torch.tensor([LOST, -1, -1]), e))
 
 
-def _serve(model, rank, lr, mode, bound, *, servers, workers, ranges, comm) -> ServerResult:
+def _serve(model, rank, lr, mode, bound, members, *, servers, workers, ranges, comm):
     """Hold one shard, apply pushed gradients, answer pulls when the staleness bound allows."""
     start, traffic = time.perf_counter(), Traffic()
     mine = ranges[rank]
@@ -359,7 +430,7 @@ def _serve(model, rank, lr, mode, bound, *, servers, workers, ranges, comm) -> S
     clock = dict.fromkeys(worker_ranks, 0)  # gradients received from each worker
     waiting: dict[int, int] = {}  # worker -> clock of its pull not answered yet
     step_grads: dict[int, torch.Tensor] = {}  # sync: this step's gradients, by worker
-    done, updates, stale, gaps = set(), 0, [], []
+    done, updates, stale, gaps, rounds = set(), 0, [], [], []
     while len(done) < workers:
         w, header, grad = events.get()
         kind, c, pulled_version = header.tolist()
@@ -378,33 +449,36 @@ def _serve(model, rank, lr, mode, bound, *, servers, workers, ranges, comm) -> S
             _count_received(grad, traffic)
             clock[w] += 1
             stale.append(updates - pulled_version)
-            if mode == "sync":  # average the step's W gradients, in worker order, then step
+            if mode == "sync":  # add up the step's gradients, in worker order, then step
                 step_grads[w] = grad
-                if len(step_grads) == workers:
-                    mean = torch.stack([step_grads[v] for v in worker_ranks]).sum(0) / workers
-                    shard.add_(mean, alpha=-lr)
+                expected = list(worker_ranks) if members is None else sorted(members[updates])
+                if sorted(step_grads) == expected:
+                    shard.add_(torch.stack([step_grads[v] for v in expected]).sum(0), alpha=-lr)
                     updates, step_grads = updates + 1, {}
+                    rounds.append(expected)
             else:  # ssp and async: apply each gradient on arrival
-                shard.add_(grad, alpha=-lr / workers)
+                shard.add_(grad, alpha=-lr)
                 updates += 1
         elif kind == DONE:
             done.add(w)
-        slowest = min(clock.values())
+        # How far ahead a pull for step c is: of the slowest worker, or in sync of the last
+        # update (the same without members; with them a worker that left stays behind).
+        behind = updates if mode == "sync" else min(clock.values())
         for v, c in list(waiting.items()):  # answer the pulls the bound now allows
-            if c - slowest <= bound:
+            if c - behind <= bound:
                 del waiting[v]
-                gaps.append(c - slowest)
-                _send(torch.tensor([updates, slowest]), v, REPLY, traffic, comm)
+                gaps.append(c - behind)
+                _send(torch.tensor([updates, c - behind]), v, REPLY, traffic, comm)
                 _send(shard, v, PARAMS, traffic, comm)
     seconds = time.perf_counter() - start
-    return ServerResult(rank, mine, shard, updates, stale, gaps, traffic, seconds)
+    return ServerResult(rank, mine, shard, updates, stale, gaps, traffic, seconds, rounds)
 
 
 # --------------------------------------------------------------------------- worker
 
 
 def _work(
-    model, rank, x, y, global_batch, epochs, seed, delay, loss_fn, *, servers, workers, ranges, comm
+    model, rank, x, y, plan, global_batch, delay, loss_fn, *, servers, workers, ranges, comm
 ) -> WorkerResult:
     """Pull the model, compute a gradient on this worker's part of the batch, push it; repeat."""
     start, me = time.perf_counter(), rank - servers
@@ -413,30 +487,28 @@ def _work(
     model.to(dev)
     params = list(model.parameters())
     flat = parameters_to_vector(params).detach().cpu()  # the model as last pulled
-    local, steps_per_epoch = global_batch // workers, len(x) // global_batch
-    for epoch in range(epochs):
-        shard = shard_indices(len(x), me, workers, shuffle=True, seed=seed, epoch=epoch)
-        for t in range(steps_per_epoch):
-            versions, gap = _pull(flat, result.steps, ranges, result.traffic, comm)
-            _load(params, flat)
-            idx = shard[t * local : (t + 1) * local]  # this worker's part of global batch t
-            loss = loss_fn(model(x[idx].to(dev)), y[idx].to(dev))
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            if delay:
-                time.sleep(delay[me])  # a slower machine
-            grad = parameters_to_vector([p.grad for p in params]).cpu()
-            pending = []
-            for s in range(servers):
-                header = torch.tensor([PUSH, result.steps, versions[s]])
-                pending.append(_send(header, s, REQUEST, result.traffic, comm, wait=False))
-                piece = _take(grad, ranges[s])
-                pending.append(_send(piece, s, GRADIENT, result.traffic, comm, wait=False))
-            for work in pending:
-                work.wait()
-            result.steps += 1
-            result.loss.append(loss.item())
-            result.clock_gap.append(gap)
+    for step, idx in plan:
+        versions, gap = _pull(flat, step, ranges, result.traffic, comm)
+        _load(params, flat)
+        loss = loss_fn(model(x[idx].to(dev)), y[idx].to(dev))  # the mean over its samples
+        model.zero_grad(set_to_none=True)
+        (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
+        if delay:
+            time.sleep(delay[me])  # a slower machine
+        grad = parameters_to_vector([p.grad for p in params]).cpu()
+        pending = []
+        for s in range(servers):
+            header = torch.tensor([PUSH, step, versions[s]])
+            pending.append(_send(header, s, REQUEST, result.traffic, comm, wait=False))
+            piece = _take(grad, ranges[s])
+            pending.append(_send(piece, s, GRADIENT, result.traffic, comm, wait=False))
+        for work in pending:
+            work.wait()
+        result.steps += 1
+        result.loss.append(loss.item())
+        result.rounds.append(step)
+        result.samples.append(list(idx))
+        result.clock_gap.append(gap)
     for s in range(servers):
         _send(torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, comm)
     result.seconds = time.perf_counter() - start
@@ -460,7 +532,7 @@ def _pull(flat, clock, ranges, traffic, comm) -> tuple[list[int], int]:
         _count_received(headers[s], traffic)
         _count_received(shards[s], traffic)
         _put(flat, r, shards[s])
-    return [int(h[0]) for h in headers], max(clock - int(h[1]) for h in headers)
+    return [int(h[0]) for h in headers], max(int(h[1]) for h in headers)
 
 
 # --------------------------------------------------------------------------- after training

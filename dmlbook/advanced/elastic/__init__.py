@@ -24,23 +24,20 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
    :func:`run_agents` runs them and leaves no process behind. torchrun needs
    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (:data:`AGENT_ENV`) for restarts to work here.
 
-2. **Adaptive training on a parameter server** (:func:`ps_train_adaptive`): workers join and
-   leave between rounds. Workers only ever talk to the server, so a membership change needs no
-   rendezvous and no restart: the server hands each round's global batch to whoever is there.
+2. **Adaptive training on a parameter server**: chapter 2's parameter server
+   (:func:`dmlbook.data_parallel.ps.train` with ``members``) lets workers join and leave between
+   rounds. Workers only ever talk to the server, so a membership change needs no rendezvous and
+   no restart: each round's global batch goes to whoever is there.
 
 3. **Elastic serving** (:func:`serve_elastic`): a pool of inference worker processes that an
    :class:`Autoscaler` grows and shrinks with the measured request rate (a :class:`FixedPool`
    is the baseline), with every request's latency.
 
 The parts, each a module of this package: ``training`` (the worker, its data order and learning
-rate, the reference), ``agents`` (torchrun's agents from Python), ``adaptive_ps`` and
-``serving``; every public name is importable from ``dmlbook.advanced.elastic`` itself.
+rate, the reference), ``agents`` (torchrun's agents from Python) and ``serving``; every public
+name is importable from ``dmlbook.advanced.elastic`` itself.
 """
 
-from dmlbook.advanced.elastic.adaptive_ps import (
-    AdaptiveResult,
-    ps_train_adaptive,
-)
 from dmlbook.advanced.elastic.agents import (
     AGENT_ENV,
     SCRIPT,
@@ -72,7 +69,6 @@ __all__ = [
     "SCRIPT",
     "alive",
     "AGENT_ENV",
-    "AdaptiveResult",
     "AgentRun",
     "Autoscaler",
     "ElasticConfig",
@@ -82,7 +78,6 @@ __all__ = [
     "epoch_order",
     "free_port",
     "lr_for",
-    "ps_train_adaptive",
     "rank_batch",
     "request_schedule",
     "run_agents",
