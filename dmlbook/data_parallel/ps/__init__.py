@@ -1,0 +1,205 @@
+"""A parameter server, from point-to-point messages: sharded, synchronous, async, bounded staleness.
+
+Chapter 2 ("Parameter server and All-Reduce") builds its parameter server (PS) with this module.
+Every rank calls :func:`train` inside :func:`dmlbook.launch.run` (or under torchrun); the rank
+decides its role:
+
+* ranks ``0 .. servers-1`` are **servers**. Each holds one shard of the model and applies SGD to
+  it with the gradients the workers push;
+* ranks ``servers .. world-1`` are **workers**. Worker ``i`` (rank ``servers + i``) pulls the
+  parameters from every server, computes a gradient on its part of the global batch and pushes
+  each server the slice of the gradient that server owns.
+
+**Sharding.** The model is the flat vector ``parameters_to_vector(model.parameters())``, and each
+server owns some slices of it (:func:`shard_ranges`). ``sharding="flat"`` (the default) cuts the
+vector into ``servers`` equal pieces, as key-range partitioning does: the load balances to one
+element. ``sharding="tensor"`` keeps every parameter tensor whole and places them with
+:func:`assign_shards` (largest first, each on the least-loaded server); the busiest server then
+holds at most ``total / servers + largest tensor``, so one big layer can still make a hot spot.
+
+**Consistency.** A worker's *clock* is how many gradients it has pushed. A server answers a pull
+for clock ``c`` only when ``c - slowest <= bound``, where ``slowest`` is the lowest clock of any
+worker:
+
+* ``mode="sync"`` (bulk-synchronous): bound 0, and the server applies the *average* of the W
+  gradients of a step at once. This is synchronous SGD on the global batch: it equals
+  single-process SGD and torch's DDP (asserted in tests/test_ps.py);
+* ``mode="ssp"`` (stale synchronous parallel, bounded staleness): bound ``staleness`` = k. A worker
+  at clock c may not run ahead of the slowest worker by more than k; each gradient is applied as
+  it arrives. k = 0 is a barrier per step, yet a worker may already see some of the current step's
+  gradients of faster workers;
+* ``mode="async"``: no bound, every gradient is applied on arrival, whatever its age.
+
+Each worker's loss is its samples' share of the global batch's mean (summed loss / global batch),
+so the server *adds* the gradients of a synchronous step, and in ssp and async applies each one
+as it comes: W pushes move the model as far as one synchronous step, and the modes differ in
+staleness, not in step size. Each server records, for every gradient, how many updates it
+applied between the worker's pull and that push.
+
+**Workers that join and leave** (chapter 11). With ``members``, step ``r`` is a *round* whose
+global batch (the next ``global_batch`` samples of the epoch's order) is split among the workers
+``members[r]`` only; a worker waits until its first round and stops after its last. The server
+steps with the sum of that round's gradients: SGD on the global batch, whoever computed it.
+
+**Messages.** Only tensors travel, with ``torch.distributed`` send/recv (over gloo; a gloo group is
+made when the default backend is NCCL). Requests are int64 headers ``[kind, clock, version]``
+(pull, push, done); a push is followed by the gradient slice, a pull is answered by a header
+``[version, how far the worker is ahead]`` and the shard. Nothing is unpickled off the network.
+Every rank counts the bytes it sends and receives (:class:`Traffic`), so the notebook can show the
+server hot spot; :func:`bytes_per_step` gives the same numbers on paper.
+
+**A worker that dies ends the run with an error; the server never applies part of a gradient.**
+Gloo's any-source receive (``recv(src=None)``) does not notice a peer that dies with nothing in
+flight: it waits until the process group's timeout. A receive from a *named* source fails within
+milliseconds ("Connection closed by peer"). So a server listens to each worker on a thread of its
+own, as real servers keep one connection per worker, and hands a gradient to the update loop only
+once all of it has arrived. When a worker is lost the server raises :class:`WorkerLost`, which
+carries the shard as it was: the result of whole updates only. The run then ends:
+``launch.run`` raises ``RankError`` naming the dead worker (and torchrun stops every rank when one
+fails). Carrying on without the worker is elastic training, chapter 11.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmlbook.data_parallel.ps.messages import Traffic
+from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost, WorkerResult, global_losses
+from dmlbook.data_parallel.ps.server import _serve
+from dmlbook.data_parallel.ps.sharding import (
+    SHARDINGS,
+    assemble_model,
+    assign_shards,
+    bytes_per_step,
+    shard_ranges,
+)
+from dmlbook.data_parallel.ps.worker import _plan, _work
+
+__all__ = [
+    "assign_shards",
+    "shard_ranges",
+    "bytes_per_step",
+    "train",
+    "assemble_model",
+    "Traffic",
+    "ServerResult",
+    "WorkerResult",
+    "WorkerLost",
+    "global_losses",
+]
+
+MODES = ("sync", "ssp", "async")
+
+
+def train(
+    model_fn: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    servers: int = 1,
+    global_batch: int,
+    lr: float,
+    epochs: int = 1,
+    mode: str = "sync",
+    staleness: int = 0,
+    seed: int = 0,
+    sharding: str = "flat",
+    delay: Sequence[float] | None = None,
+    loss_fn: Callable = F.cross_entropy,
+    members: Sequence[Sequence[int]] | None = None,
+) -> ServerResult | WorkerResult:
+    """Train ``model_fn()`` on ``(x, y)`` with chapter 2's parameter server; every rank calls this.
+
+    ``model_fn`` must build the same weights on every rank (the ``dmlbook.models`` factories take
+    a seed). Workers split each epoch as :func:`~dmlbook.datasets.shard_indices` does, so
+    ``mode="sync"`` equals single-process SGD with batch ``global_batch``. ``delay`` gives each
+    worker extra seconds per step, to play a straggler. ``members[r]`` lists the worker ranks of
+    step ``r`` (chapter 11's workers that join and leave; sync only), instead of ``epochs``.
+    Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
+    :func:`assemble_model` puts the model back together.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "ps.train runs on the ranks of a process group: call it inside "
+            "dmlbook.launch.run(fn, servers + workers) or under torchrun"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_fn()
+    sizes = [p.numel() for p in model.parameters()]
+    _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay)
+    workers = world - servers
+    if members is not None:
+        _check_members(members, servers, workers, mode, epochs)
+    elif global_batch % workers:
+        raise ValueError(
+            f"global_batch={global_batch} must be a positive multiple of the {workers} workers"
+        )
+    ranges = shard_ranges(sizes, servers, sharding)
+    if any(not r or r[0][0] == r[0][1] for r in ranges):
+        raise ValueError(f"the {sum(sizes)} parameters leave a server empty with servers={servers}")
+    # Parameter-server traffic is CPU tensors over gloo, also when the default backend is NCCL.
+    comm = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    cfg = dict(servers=servers, workers=workers, ranges=ranges, comm=comm)
+    if rank < servers:
+        bound = {"sync": 0, "ssp": staleness, "async": math.inf}[mode]
+        return _serve(model, rank, lr, mode, bound, members, **cfg)
+    plan = _plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
+    return _work(model, rank, x, y, plan, global_batch, delay, loss_fn, **cfg)
+
+
+def _check_members(members, servers: int, workers: int, mode: str, epochs: int) -> None:
+    """Every step needs a worker, each listed once, and the rounds fix the steps."""
+    if mode != "sync" or epochs != 1:
+        raise ValueError(f"members needs mode='sync' and no epochs (got {mode!r}, {epochs})")
+    if not members:
+        raise ValueError("members needs at least one round")
+    for r, ids in enumerate(members):
+        if not ids:
+            raise ValueError(f"round {r} has no worker: a parameter server needs at least one")
+        if len(set(ids)) != len(ids) or not all(servers <= w < servers + workers for w in ids):
+            raise ValueError(
+                f"round {r} lists workers {list(ids)}: each must appear once and be a worker "
+                f"rank in {servers}..{servers + workers - 1} (ranks 0..{servers - 1} serve)"
+            )
+
+
+def _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay):
+    """Reject bad arguments on every rank alike, before any message: an error, never a hang."""
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    workers = world - servers
+    if workers < 1:
+        raise ValueError(
+            f"no workers: world size {world} with servers={servers}; "
+            f"launch servers + workers ranks (ranks {servers}.. are the workers)"
+        )
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+    if staleness and mode != "ssp":
+        raise ValueError(f"staleness={staleness} needs mode='ssp' (mode is {mode!r})")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch={global_batch} must be >= 1")
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+    if global_batch > len(x):
+        raise ValueError(f"global_batch={global_batch} is larger than the {len(x)} samples")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if delay is not None and (len(delay) != workers or min(delay) < 0):
+        raise ValueError(f"delay needs {workers} numbers >= 0 (one per worker), got {delay!r}")
+    if len({p.dtype for p in model.parameters()}) != 1:
+        raise ValueError("the model's parameters must exist and share one dtype (one flat vector)")
+    if next(model.buffers(), None) is not None:
+        raise ValueError("ps.train serves parameters only; this model has buffers it cannot sync")

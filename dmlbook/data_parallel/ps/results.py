@@ -1,0 +1,61 @@
+"""What a parameter-server run returns: each server's shard, each worker's steps (chapter 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dmlbook.data_parallel.ps.messages import Traffic
+
+
+@dataclass
+class ServerResult:
+    """A server's shard after training, and what it saw."""
+
+    rank: int
+    ranges: list[tuple[int, int]]  # the slices of the flat parameter vector it holds
+    shard: torch.Tensor  # their values, concatenated
+    updates: int  # how many updates it applied (steps in sync mode, gradients otherwise)
+    staleness: list[int]  # per gradient: updates applied between its pull and its push
+    clock_gap: list[int]  # per pull answered: how far that worker was ahead of the slowest
+    traffic: Traffic
+    seconds: float
+    members: list[list[int]] = field(default_factory=list)  # sync: whose gradients made each step
+
+
+@dataclass
+class WorkerResult:
+    """A worker's loss per step and what it saw."""
+
+    rank: int
+    worker: int  # its index among the workers, 0 .. W-1
+    steps: int
+    loss: list[float] = field(default_factory=list)  # per step: the mean loss of its samples
+    rounds: list[int] = field(default_factory=list)  # the global steps it worked in
+    samples: list[list[int]] = field(default_factory=list)  # per step: its sample indices
+    clock_gap: list[int] = field(default_factory=list)  # per step, largest over the servers
+    traffic: Traffic = field(default_factory=Traffic)
+    seconds: float = 0.0
+
+
+class WorkerLost(RuntimeError):
+    """A server lost a worker. ``shard`` is the server's model then: whole updates only."""
+
+    def __init__(self, message: str, worker_rank: int, updates: int, shard: torch.Tensor):
+        super().__init__(message)
+        self.worker_rank, self.updates, self.shard = worker_rank, updates, shard
+
+    def __reduce__(self):
+        return type(self), (str(self), self.worker_rank, self.updates, self.shard)
+
+
+def global_losses(results: Sequence[ServerResult | WorkerResult], global_batch: int) -> list:
+    """The global batch's mean loss at each step, from the workers' results."""
+    total: dict[int, float] = {}
+    for r in results:
+        if isinstance(r, WorkerResult):
+            for step, loss, idx in zip(r.rounds, r.loss, r.samples, strict=True):
+                total[step] = total.get(step, 0.0) + loss * len(idx) / global_batch
+    return [total[step] for step in sorted(total)]

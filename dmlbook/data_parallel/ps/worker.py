@@ -1,0 +1,109 @@
+"""A parameter-server worker: pull the model, compute its share of the gradient, push it (ch. 2)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
+
+from dmlbook.comm.groups import balanced_blocks
+from dmlbook.data_parallel.ps.messages import (
+    DONE,
+    GRADIENT,
+    PARAMS,
+    PULL,
+    PUSH,
+    REPLY,
+    REQUEST,
+    _count_received,
+    _send,
+)
+from dmlbook.data_parallel.ps.results import WorkerResult
+from dmlbook.data_parallel.ps.sharding import _load, _put, _take
+from dmlbook.datasets import shard_indices
+from dmlbook.launch import device
+
+
+def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
+    """This worker's steps: (global step, its sample indices), in order.
+
+    Without ``members`` every worker works every step, on its strided share of the epoch
+    (:func:`~dmlbook.datasets.shard_indices`). With them, round r's global batch is the next
+    ``global_batch`` samples of the epoch's order (a short tail starts the next epoch), cut
+    among the round's workers."""
+    me = rank - servers
+    if members is None:
+        local, per_epoch = global_batch // workers, samples // global_batch
+        for epoch in range(epochs):
+            shard = shard_indices(samples, me, workers, shuffle=True, seed=seed, epoch=epoch)
+            for t in range(per_epoch):
+                yield epoch * per_epoch + t, shard[t * local : (t + 1) * local]
+        return
+    per_epoch = samples // global_batch
+    for r, ids in enumerate(members):
+        if rank in ids:
+            epoch, t = divmod(r, per_epoch)
+            order = shard_indices(samples, 0, 1, shuffle=True, seed=seed, epoch=epoch)
+            batch = order[t * global_batch : (t + 1) * global_batch]
+            start, stop = balanced_blocks(len(batch), len(ids))[list(ids).index(rank)]
+            yield r, batch[start:stop]
+
+
+def _work(
+    model, rank, x, y, plan, global_batch, delay, loss_fn, *, servers, workers, ranges, comm
+) -> WorkerResult:
+    """Pull the model, compute a gradient on this worker's part of the batch, push it; repeat."""
+    start, me = time.perf_counter(), rank - servers
+    result = WorkerResult(rank, me, steps=0)
+    dev = device()
+    model.to(dev)
+    params = list(model.parameters())
+    flat = parameters_to_vector(params).detach().cpu()  # the model as last pulled
+    for step, idx in plan:
+        versions, gap = _pull(flat, step, ranges, result.traffic, comm)
+        _load(params, flat)
+        loss = loss_fn(model(x[idx].to(dev)), y[idx].to(dev))  # the mean over its samples
+        model.zero_grad(set_to_none=True)
+        (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
+        if delay:
+            time.sleep(delay[me])  # a slower machine
+        grad = parameters_to_vector([p.grad for p in params]).cpu()
+        pending = []
+        for s in range(servers):
+            header = torch.tensor([PUSH, step, versions[s]])
+            pending.append(_send(header, s, REQUEST, result.traffic, comm, wait=False))
+            piece = _take(grad, ranges[s])
+            pending.append(_send(piece, s, GRADIENT, result.traffic, comm, wait=False))
+        for work in pending:
+            work.wait()
+        result.steps += 1
+        result.loss.append(loss.item())
+        result.rounds.append(step)
+        result.samples.append(list(idx))
+        result.clock_gap.append(gap)
+    for s in range(servers):
+        _send(torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, comm)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _pull(flat, clock, ranges, traffic, comm) -> tuple[list[int], int]:
+    """Fetch every server's shard into ``flat``; return their versions and this worker's gap."""
+    headers = [torch.empty(2, dtype=torch.int64) for _ in ranges]
+    shards = [torch.empty(sum(b - a for a, b in r), dtype=flat.dtype) for r in ranges]
+    # Post the receives before asking, so that a server's answer never waits for us.
+    pending = []
+    for s in range(len(ranges)):
+        pending.append(dist.irecv(headers[s], s, group=comm, tag=REPLY))
+        pending.append(dist.irecv(shards[s], s, group=comm, tag=PARAMS))
+    for s in range(len(ranges)):
+        _send(torch.tensor([PULL, clock, 0]), s, REQUEST, traffic, comm)
+    for work in pending:
+        work.wait()  # a server may hold its answer back: the staleness bound
+    for s, r in enumerate(ranges):
+        _count_received(headers[s], traffic)
+        _count_received(shards[s], traffic)
+        _put(flat, r, shards[s])
+    return [int(h[0]) for h in headers], max(int(h[1]) for h in headers)
