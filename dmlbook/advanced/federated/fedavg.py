@@ -1,242 +1,35 @@
-"""Federated learning: FedAvg on real ranks, non-IID client splits and secure aggregation.
-
-Chapter 10 ("Federated learning and edge devices") trains one model on data that never moves.
-Rank 0 is the *server*: it holds the global model (and a test set to score it) but no training
-data. Ranks 1, 2, ... host the *clients*; client ``c`` lives on rank ``1 + c % (world - 1)`` and
-is the only rank that ever loads its data (``load_client(c)``). One round of :func:`fedavg`:
-
-1. the server picks a fraction of the clients (:func:`sample_clients`, seeded by round, so every
-   rank computes the same choice without a message) and broadcasts the global model;
-2. each chosen client trains a copy for ``local_epochs`` epochs of SGD on its own data and uploads
-   its *update* ``n_k * (w_k - w)`` together with its sample count ``n_k``;
-3. the server adds the uploads and moves the global model by ``sum n_k (w_k - w) / sum n_k``:
-   the average of the client models weighted by their sample counts (McMahan et al. 2017).
-
-Uploads are fixed-point integers in the ring of integers modulo 2**48 (:func:`encode`), so that
-**secure aggregation** (Bonawitz et al. 2017) is exact: every pair of chosen clients agrees on a
-seed through a Diffie-Hellman exchange relayed by the server (:func:`dh_keypair`,
-:func:`shared_seed`), both expand it into the same pseudo-random vector, and the lower-numbered
-client adds it while the other subtracts it (:func:`pair_mask`, :func:`mask_update`). Each upload
-the server receives looks uniformly random, but in the sum every mask meets its negative and the
-server gets exactly the sum of the true updates. The integer sums are the same with and without
-masks, so a secure run ends bit-identical to a plain one. The ring holds sums up to 2**23 in
-size, far beyond any sum of weighted updates here. (Not covered: clients that drop out
-mid-round, which the full protocol handles with secret-shared seeds.)
-
-Tensors live on ``launch.device()``: the CPU under gloo, each rank's GPU under NCCL.
-
-The splits: :func:`iid_split` deals a shuffled dataset out evenly; :func:`dirichlet_split` draws
-each class's share per client from Dirichlet(alpha): large alpha is close to IID, small alpha
-gives each client a few labels (:func:`label_skew` measures it). :func:`fedavg_reference` is the
-same algorithm in one process, in float64, for the tests.
+"""FedAvg on real ranks: the server, the clients' local SGD, and the single-process reference
+(McMahan et al. 2017; chapter 10, see :mod:`dmlbook.advanced.federated`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from dmlbook.advanced.federated.secure import (
+    MODULUS,
+    decode,
+    dh_keypair,
+    encode,
+    mask_update,
+    shared_seed,
+)
+from dmlbook.advanced.federated.splits import (
+    client_owner,
+    dirichlet_split,
+    iid_split,
+    sample_clients,
+)
 from dmlbook.comm import collectives
 from dmlbook.datasets import load_digits
 from dmlbook.launch import device
-
-__all__ = [
-    "FRAC_BITS",
-    "MODULUS",
-    "DigitsClients",
-    "DigitsTest",
-    "FedAvgResult",
-    "Message",
-    "client_owner",
-    "decode",
-    "dh_keypair",
-    "dirichlet_split",
-    "encode",
-    "FedAvgConfig",
-    "fedavg",
-    "fedavg_reference",
-    "iid_split",
-    "label_histograms",
-    "label_skew",
-    "local_sgd",
-    "mask_update",
-    "pair_mask",
-    "sample_clients",
-    "shared_seed",
-]
-
-MODULUS = 2**48  # uploads live in the integers modulo 2**48; int64 holds any sum of two of them
-FRAC_BITS = 24  # fixed point: x is sent as round(x * 2**24), a resolution of 6e-8
-# Toy Diffie-Hellman group: the Mersenne prime 2**127 - 1 and generator 3. It shows the idea;
-# a deployment uses a standard 2048-bit group or X25519.
-DH_PRIME = 2**127 - 1
-DH_GENERATOR = 3
-
-
-# --------------------------------------------------------------------------- client splits
-
-
-def _check_clients(num_clients: int, num_samples: int) -> None:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-    if num_clients > num_samples:
-        raise ValueError(
-            f"num_clients={num_clients} is larger than the data ({num_samples} samples): "
-            "some client would get nothing"
-        )
-
-
-def iid_split(num_samples: int, num_clients: int, seed: int = 0) -> list[torch.Tensor]:
-    """Each client's sample indices: one seeded shuffle dealt out in near-equal contiguous parts
-    (sizes differ by at most one). Every index is used exactly once."""
-    _check_clients(num_clients, num_samples)
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
-    return [part.sort().values for part in torch.tensor_split(order, num_clients)]
-
-
-def dirichlet_split(
-    labels: torch.Tensor, num_clients: int, alpha: float, seed: int = 0, min_size: int = 1
-) -> list[torch.Tensor]:
-    """Each client's sample indices under label skew: for every class, the shares of its samples
-    that go to the clients are drawn from Dirichlet(alpha, ..., alpha). alpha -> infinity is
-    IID; alpha = 0.1 gives most clients one or two classes. Draws again (up to 100 times) until
-    every client has at least ``min_size`` samples. Every index is used exactly once."""
-    labels = torch.as_tensor(labels)
-    if labels.dim() != 1:
-        raise ValueError(f"labels must be 1-D, got shape {tuple(labels.shape)}")
-    _check_clients(num_clients, len(labels))
-    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
-    if min_size < 0 or min_size * num_clients > len(labels):
-        raise ValueError(f"min_size={min_size} is impossible for {num_clients} clients")
-    rng = np.random.default_rng(seed)
-    y = labels.numpy()
-    for _ in range(100):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        for cls in np.unique(y):
-            members = rng.permutation(np.flatnonzero(y == cls))
-            shares = rng.dirichlet(np.full(num_clients, float(alpha)))
-            cuts = np.round(np.cumsum(shares)[:-1] * len(members)).astype(int)
-            for client, chunk in enumerate(np.split(members, cuts)):
-                parts[client].append(chunk)
-        splits = [np.sort(np.concatenate(p)) for p in parts]
-        if min(len(s) for s in splits) >= min_size:
-            return [torch.from_numpy(s).long() for s in splits]
-    raise ValueError(
-        f"no Dirichlet(alpha={alpha}) draw in 100 gave every one of {num_clients} clients "
-        f"{min_size} samples: use fewer clients or a larger alpha"
-    )
-
-
-def label_histograms(
-    labels: torch.Tensor, splits: Sequence[torch.Tensor], classes: int | None = None
-) -> torch.Tensor:
-    """(clients, classes) counts: how many samples of each label every client holds."""
-    labels = torch.as_tensor(labels)
-    classes = int(labels.max()) + 1 if classes is None else classes
-    return torch.stack([torch.bincount(labels[s], minlength=classes) for s in splits])
-
-
-def label_skew(labels: torch.Tensor, splits: Sequence[torch.Tensor]) -> float:
-    """Mean over clients of the total-variation distance between the client's label
-    distribution and the whole dataset's: 0 for identical mixes, near 1 when clients hold
-    labels the others lack."""
-    hist = label_histograms(labels, splits).double()
-    overall = hist.sum(0) / hist.sum()
-    per_client = hist / hist.sum(1, keepdim=True).clamp_min(1)
-    return (0.5 * (per_client - overall).abs().sum(1)).mean().item()
-
-
-def sample_clients(num_clients: int, fraction: float, round_index: int, seed: int = 0) -> list[int]:
-    """The clients that take part in round ``round_index``: max(1, round(fraction * C)) of them,
-    drawn from a generator seeded by (seed, round), so every rank computes the same list."""
-    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
-    chosen = max(1, round(fraction * num_clients))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + round_index)
-    return sorted(torch.randperm(num_clients, generator=g)[:chosen].tolist())
-
-
-def client_owner(client: int, world_size: int) -> int:
-    """The rank that hosts ``client``: rank 0 is the server, clients go round ranks 1.."""
-    return 1 + client % (world_size - 1)
-
-
-# --------------------------------------------------------------------------- fixed point, masks
-
-
-def encode(values: torch.Tensor) -> torch.Tensor:
-    """Floats to the ring: round(x * 2**FRAC_BITS) modulo MODULUS, as int64 in [0, MODULUS)."""
-    q = torch.round(values.detach().double() * 2**FRAC_BITS)
-    if q.abs().max() >= MODULUS // 2:
-        raise ValueError(f"a value of {values.abs().max().item():.3g} overflows the fixed point")
-    return q.long() % MODULUS
-
-
-def decode(encoded: torch.Tensor) -> torch.Tensor:
-    """The ring back to float64: values above MODULUS / 2 are negative (two's complement)."""
-    signed = torch.where(encoded >= MODULUS // 2, encoded - MODULUS, encoded)
-    return signed.double() / 2**FRAC_BITS
-
-
-def dh_keypair(seed: int | None = None) -> tuple[int, int]:
-    """(secret, public = g**secret mod p): the secret stays on the client, the public key is
-    published. ``seed`` makes it reproducible; by default it comes from the OS's randomness."""
-    if seed is None:
-        secret = 2 + secrets.randbelow(DH_PRIME - 3)
-    else:
-        secret = 2 + int.from_bytes(hashlib.sha256(f"dh:{seed}".encode()).digest(), "big") % (
-            DH_PRIME - 3
-        )
-    return secret, pow(DH_GENERATOR, secret, DH_PRIME)
-
-
-def shared_seed(my_secret: int, their_public: int) -> int:
-    """Diffie-Hellman: (g**b)**a = (g**a)**b mod p, the same number on both clients of a pair,
-    which nobody who saw only the public keys can compute."""
-    return pow(their_public, my_secret, DH_PRIME)
-
-
-def pair_mask(seed: int, round_index: int, numel: int) -> torch.Tensor:
-    """The pseudo-random vector a pair of clients expands its seed into for one round: int64,
-    uniform in [0, MODULUS). Both clients of the pair get the same vector."""
-    digest = hashlib.sha256(f"{seed}:{round_index}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & (2**63 - 1))
-    return torch.randint(0, MODULUS, (numel,), generator=g, dtype=torch.int64)
-
-
-def mask_update(
-    encoded: torch.Tensor,
-    client: int,
-    participants: Sequence[int],
-    seeds: dict[int, int],
-    round_index: int,
-) -> torch.Tensor:
-    """``encoded`` plus client's pairwise masks modulo MODULUS: + the pair's mask towards every
-    participant numbered above it, - towards every one below. ``seeds[peer]`` is the seed this
-    client shares with ``peer``. Summed over all participants, the masks cancel exactly."""
-    masked = encoded.clone()
-    for peer in participants:
-        if peer == client:
-            continue
-        mask = pair_mask(seeds[peer], round_index, encoded.numel()).to(encoded.device)
-        masked = (masked + mask if client < peer else masked - mask) % MODULUS
-    return masked
-
-
-# --------------------------------------------------------------------------- local training
 
 
 def local_sgd(
@@ -277,9 +70,6 @@ def _load_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 def _local_generator(seed: int, round_index: int, client: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1009 + round_index) * 1009 + client)
-
-
-# --------------------------------------------------------------------------- data providers
 
 
 class DigitsClients:
@@ -326,9 +116,6 @@ class DigitsTest:
         x, y = (t.to(where) for t in self._data)
         with torch.no_grad():
             return (model(x).argmax(1) == y).float().mean().item()
-
-
-# --------------------------------------------------------------------------- FedAvg on ranks
 
 
 @dataclass(frozen=True)
@@ -475,9 +262,6 @@ def _exchange_keys(mine: list[int], result: FedAvgResult) -> dict[int, dict[int,
         c: {peer: shared_seed(keys[c][0], pub) for peer, pub in relay[0].items() if peer != c}
         for c in mine
     }
-
-
-# --------------------------------------------------------------------------- the reference
 
 
 def _local_round(model: nn.Module, x, y, config: FedAvgConfig, round_: int, client: int) -> None:
