@@ -61,15 +61,14 @@ def _assert_equal_states(a, b):
 def _crashing_run(directory, crash):
     model, optimizer, x, y = _setup()
     crash = ck.SimulateCrash(**crash)
-    ck.train_resumable(model, optimizer, x, y, checkpoint_dir=directory, callbacks=[crash],
-                       **SETTINGS)  # fmt: skip
+    config = ck.ResumableConfig(checkpoint_dir=directory, **SETTINGS)
+    ck.train_resumable(model, optimizer, x, y, config, callbacks=[crash])
 
 
 def _train(directory, restore_rng=True):
     model, optimizer, x, y = _setup()
-    done = ck.train_resumable(
-        model, optimizer, x, y, checkpoint_dir=directory, restore_rng=restore_rng, **SETTINGS
-    )
+    config = ck.ResumableConfig(checkpoint_dir=directory, restore_rng=restore_rng, **SETTINGS)
+    done = ck.train_resumable(model, optimizer, x, y, config)
     return done, _state(model, optimizer)
 
 
@@ -266,10 +265,11 @@ def test_the_file_is_plain_data_with_every_ranks_rng_state(runs):
 def test_resuming_with_other_settings_is_refused(runs):
     model, optimizer, x, y = _setup()
     settings = SETTINGS | dict(global_batch=12)  # another batch: another position in the epoch
+    config = ck.ResumableConfig(checkpoint_dir=runs["root"] / "world1" / "crashed", **settings)
     with pytest.raises(ValueError, match="resume with the same ones"):
-        ck.train_resumable(
-            model, optimizer, x, y, checkpoint_dir=runs["root"] / "world1" / "crashed", **settings
-        )
+        ck.train_resumable(model, optimizer, x, y, config)
+    with pytest.raises(ValueError, match="every=0, keep=2 and epochs=3 must be >= 1"):
+        ck.ResumableConfig(checkpoint_dir="x", **SETTINGS | dict(every=0))
 
 
 # --------------------------------------------------------------------------- atomic saves

@@ -48,6 +48,7 @@ from dmlbook.data_parallel.checkpoint.files import (
 )
 from dmlbook.data_parallel.checkpoint.resumable import (
     Checkpointing,
+    ResumableConfig,
     SimulateCrash,
     SimulatedCrash,
     TrainingRun,
@@ -61,6 +62,7 @@ from dmlbook.data_parallel.checkpoint.sharded import (
 
 __all__ = [
     "FORMAT",
+    "ResumableConfig",
     "Progress",
     "Checkpoint",
     "TrainingRun",

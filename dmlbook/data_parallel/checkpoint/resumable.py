@@ -115,53 +115,70 @@ class TrainingRun:
     losses: list[float] = field(default_factory=list)  # this rank's loss at each step it ran
 
 
+@dataclass(frozen=True)
+class ResumableConfig:
+    """What fixes a :func:`train_resumable` run: where and how often it checkpoints, and chapter
+    1's loop settings."""
+
+    checkpoint_dir: str | os.PathLike
+    global_batch: int
+    epochs: int
+    every: int  # checkpoint every this many steps (and after the last)
+    seed: int = 0  # the data order, and each rank's random stream (seed + rank)
+    noise: float = 0.1  # std of the Gaussian noise added to the inputs: a random augmentation
+    keep: int = 2  # how many of the newest checkpoints to keep
+    restore_rng: bool = True  # on resume, restore every rank's RNG state (chapter 3's point)
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.keep < 1 or self.epochs < 1:
+            raise ValueError(
+                f"every={self.every}, keep={self.keep} and epochs={self.epochs} must be >= 1"
+            )
+
+
 def train_resumable(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
+    config: ResumableConfig,
     *,
-    global_batch: int,
-    epochs: int,
-    checkpoint_dir: str | os.PathLike,
-    every: int,
-    seed: int = 0,
-    noise: float = 0.1,
-    keep: int = 2,
     callbacks: Sequence[Callback] = (),
-    restore_rng: bool = True,
     group=None,
 ) -> TrainingRun:
     """Chapter 1's loop (:func:`~dmlbook.data_parallel.loop.train_loop`) with a
-    :class:`Checkpointing` callback; it resumes from the latest checkpoint of ``checkpoint_dir``.
+    :class:`Checkpointing` callback; it resumes from the latest checkpoint of
+    ``config.checkpoint_dir``.
 
-    Each step adds Gaussian noise (std ``noise``) to this rank's inputs, drawn from the global
-    torch RNG seeded with ``seed + rank``: the random augmentation that makes restoring every
-    rank's RNG necessary. Only the ``keep`` newest checkpoints are kept.
+    Each step adds Gaussian noise (std ``config.noise``) to this rank's inputs, drawn from the
+    global torch RNG seeded with ``seed + rank``: the random augmentation that makes restoring
+    every rank's RNG necessary. Only the ``keep`` newest checkpoints are kept.
     """
+    c = config
     rank, world = group_rank_size(group)
-    batches = strided_batches(
-        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=seed
-    )  # fmt: skip  (checks the arguments before any load)
+    plan = dict(rank=rank, world_size=world, epochs=c.epochs, seed=c.seed)
+    batches = strided_batches(len(x), c.global_batch, **plan)  # checks them before any load
     # What fixes the data order: a position within an epoch means nothing under other values.
-    settings = dict(seed=seed, global_batch=global_batch, samples=len(x))
-    saver = Checkpointing(checkpoint_dir, every=every, epochs=epochs, keep=keep, settings=settings)
+    settings = dict(seed=c.seed, global_batch=c.global_batch, samples=len(x))
+    saver = Checkpointing(c.checkpoint_dir, every=c.every, epochs=c.epochs, keep=c.keep,
+                          settings=settings)  # fmt: skip
     start, resumed_from = Progress(), None
-    if (path := latest(checkpoint_dir)) is not None:
-        loaded = load(path, model=model, optimizer=optimizer, restore_rng=restore_rng, group=group)
+    if (path := latest(c.checkpoint_dir)) is not None:
+        loaded = load(path, model=model, optimizer=optimizer, restore_rng=c.restore_rng,
+                      group=group)  # fmt: skip
         if loaded.extra.get("settings") != settings:
             raise ValueError(
                 f"{path} was saved by a run with {loaded.extra.get('settings')}, this one has "
                 f"{settings}: resume with the same ones, or start in a new checkpoint_dir"
             )
         start, resumed_from = loaded.progress, loaded.progress.step
-        batches = strided_batches(len(x), global_batch, rank=rank, world_size=world,
-                                  epochs=epochs, seed=seed,
-                                  start=(start.epoch, start.step_in_epoch))  # fmt: skip
+        resume_at = (start.epoch, start.step_in_epoch)
+        batches = strided_batches(len(x), c.global_batch, **plan, start=resume_at)
     else:
-        seed_all(seed + rank)  # each rank its own random stream
+        seed_all(c.seed + rank)  # each rank its own random stream
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
-    done = train_loop(model, optimizer, x, y, batches, callbacks=[_Augment(noise), saver,
-                      *callbacks], step=start.step, group=group)  # fmt: skip
+    callbacks = [_Augment(c.noise), saver, *callbacks]
+    done = train_loop(model, optimizer, x, y, batches, callbacks=callbacks, step=start.step,
+                      group=group)  # fmt: skip
     progress = start if done.batch is None else progress_after(done.batch, done.step)
     return TrainingRun(resumed_from, progress, done.losses)
