@@ -101,9 +101,9 @@ class Ranks:
         """Run ``source`` on each rank (``on``: some of them) in its namespace. Returns the value
         of the last line on each rank if it is an expression (else None), in rank order."""
         filename = filename or f"<rank-cell-{next(_cells)}>"
-        compile(source, filename, "exec")  # a syntax error is the caller's, raised here
         lines = source.splitlines(True)
-        _shipping.install_sources({filename: lines})  # for the stacks of a hung cell
+        _shipping.install_sources({filename: lines})  # for stack dumps, and syntax errors
+        compile(source, filename, "exec")  # a syntax error is the caller's, raised here
         return self._request("exec", (source, filename, lines), on, timeout)
 
     def call(self, fn, *args, on=None, timeout: float | None = None, **kwargs) -> list:
@@ -183,10 +183,12 @@ class Ranks:
         if self._closed is None:
             self._closed = reason
         self._finalizer()  # group.close(), once
+        self._busy.clear()
 
     # ------------------------------------------------------------------ one request
 
     def _request(self, kind: str, body: tuple, on, timeout: float | None) -> list:
+        __tracebackhide__ = True  # IPython shows the rank's traceback, not this frame
         ranks = self._targets(on)
         timeout = self.timeout if timeout is None else _checked_timeout(timeout)
         self._check_running()
@@ -202,6 +204,7 @@ class Ranks:
 
     def _collect(self, request_id: int, ranks: list[int], timeout: float, kind: str) -> dict:
         """Wait for every rank's answer, showing their output; turn failures into errors."""
+        __tracebackhide__ = True  # IPython shows the rank's traceback, not this frame
         answers: dict[int, Any] = {}
         failures: dict[int, tuple] = {}
         output = _Output()
