@@ -47,8 +47,10 @@ def main() -> None:
 
             channel = _rank_server.Channel.passed_in()
             _init_process_group(rank, meta)
-            _rank_server.serve(channel, rank, meta["world_size"])  # until the caller closes it
-            _exit(0, meta["parent_pid"], workdir)
+            _rank_server.serve(channel, rank, meta["world_size"])  # until the channel closes
+            # which means the caller is gone (a caller that closes the session kills us first):
+            # take what this rank started along, as a rank whose parent died does.
+            _orphaned(workdir)
         fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
         _init_process_group(rank, meta)
         result = fn(*args, **kwargs)
