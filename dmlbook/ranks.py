@@ -334,22 +334,26 @@ class Ranks:
 
 class _Output:
     """A request's output, shown rank by rank in rank order: all of it at the end of a quick
-    request, and, once it has run :data:`STREAM_AFTER_S`, each batch as it arrives."""
+    request, and, once it has run :data:`STREAM_AFTER_S`, each batch of whole lines as it comes."""
 
     def __init__(self) -> None:
-        self.held: list[tuple[int, str, str]] = []
+        self.held: dict[tuple[int, str], str] = {}  # (rank, stream) -> text not yet shown
 
     def add(self, rank: int, stream: str, text: str) -> None:
-        self.held.append((rank, stream, text))
+        self.held[rank, stream] = self.held.get((rank, stream), "") + text
 
     def show(self, elapsed: float = 0.0, final: bool = False) -> None:
-        if not self.held or not (final or elapsed >= STREAM_AFTER_S):
+        if not (final or elapsed >= STREAM_AFTER_S):
             return
-        for rank, stream, text in sorted(self.held, key=lambda item: item[0]):
+        for rank, stream in sorted(self.held, key=lambda key: key[0]):
+            text = self.held.pop((rank, stream))
+            if not final:  # a line still being written waits for its end
+                text, _, rest = text.rpartition("\n")
+                if rest:
+                    self.held[rank, stream] = rest
             file = sys.stderr if stream == "stderr" else sys.stdout
             for line in text.splitlines():
                 print(f"[rank {rank}] {line}", file=file)
-        self.held.clear()
 
 
 def _read(rank: int, channel: Channel, inbox: queue.Queue) -> None:

@@ -116,11 +116,16 @@ def test_output_is_marked_by_rank_and_shown_in_rank_order(four, capsys):
 def test_a_long_request_streams_its_output(capsys):
     output = ranks._Output()
     output.add(1, "stdout", "one\n")
-    output.add(0, "stdout", "zero\n")
+    output.add(0, "stdout", "tensor([1,\n        2])")  # print() writes its text, then "\n"
+    output.add(0, "stdout", "\n")
+    output.add(0, "stdout", "half a li")
     output.show(elapsed=0.5)  # a quick request so far: held
     assert capsys.readouterr().out == ""
-    output.show(elapsed=ranks.STREAM_AFTER_S)  # then shown as it comes, each batch by rank
-    assert capsys.readouterr().out == "[rank 0] zero\n[rank 1] one\n"
+    output.show(elapsed=ranks.STREAM_AFTER_S)  # then whole lines as they come, by rank
+    assert capsys.readouterr().out == ("[rank 0] tensor([1,\n[rank 0]         2])\n[rank 1] one\n")
+    output.add(0, "stdout", "ne\n")
+    output.show(final=True)
+    assert capsys.readouterr().out == "[rank 0] half a line\n"
 
 
 def test_status_and_values_that_cannot_travel(four):
