@@ -15,20 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive as _alive
 
 from dmlbook import _rank_group, _zygote, launch
 from dmlbook.launch import RankError, RankTimeoutError, run
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _alive(pid: int) -> bool:
-    """True if pid is a running (not zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def _record_pids(piddir: str) -> None:

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
+from processes import assert_gone
 
 from dmlbook.launch import RankError, RankTimeoutError
 from dmlbook.ranks import RanksClosedError
@@ -112,6 +113,4 @@ def test_restart_stop_and_a_dead_rank(shell, capsys):
     run(shell, "%ranks stop")
     assert "3 ranks stopped" in capsys.readouterr().out
     assert "no ranks" in str(_raised(shell, "%%ranks\n1"))
-    from test_ranks import _assert_gone
-
-    _assert_gone(pids)
+    assert_gone(pids)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import assert_gone
 
 from dmlbook import _zygote, ranks
 from dmlbook.launch import RankError, RankTimeoutError
@@ -25,22 +26,6 @@ RECORD_PIDS = (
     "child = subprocess.Popen(['sleep', '600'])\n"
     "pids = [os.getpid(), child.pid]\n"
 )
-
-
-def _alive(pid: int) -> bool:
-    """True if pid is a running (not zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
-def _assert_gone(pids: list[int], within: float = 3.0) -> None:
-    deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
 def _pids(session: Ranks) -> list[int]:
@@ -215,7 +200,7 @@ def test_a_rank_that_dies_closes_the_session_and_the_next_request_says_restart()
             session.exec("import os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(1)")
         assert info.value.rank == 1 and info.value.exitcode == 3
         assert "died with exit code 3" in str(info.value) and "session is closed" in str(info.value)
-        _assert_gone(pids)
+        assert_gone(pids)
         assert not any(s.alive or s.busy for s in session.status())
         with pytest.raises(RanksClosedError, match="rank 1 died.*restart"):
             session.exec("1")
@@ -255,14 +240,14 @@ def test_no_rank_outlives_close_or_an_exception():
     pids = _pids(session)
     session.close()
     session.close()  # twice is fine
-    _assert_gone(pids)
+    assert_gone(pids)
     with pytest.raises(RanksClosedError, match="stopped"):
         session.exec("1")
     with pytest.raises(ZeroDivisionError):
         with Ranks(2) as session:
             pids = _pids(session)
             raise ZeroDivisionError("in the with block")
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 def test_no_rank_outlives_a_killed_caller(tmp_path):
@@ -291,7 +276,7 @@ def test_no_rank_outlives_a_killed_caller(tmp_path):
     assert line.startswith("PIDS"), line
     pids = [int(p) for p in line.split()[1:]]
     assert len(pids) == 4 + _zygote.enabled()
-    _assert_gone(pids)
+    assert_gone(pids)
 
 
 def test_spawned_ranks_serve_the_same(monkeypatch):
@@ -303,4 +288,4 @@ def test_spawned_ranks_serve_the_same(monkeypatch):
         with pytest.raises(RankError, match="line 1"):
             session.exec("1 / 0")
         pids = _pids(session)
-    _assert_gone(pids)
+    assert_gone(pids)
