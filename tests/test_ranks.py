@@ -289,3 +289,15 @@ def test_spawned_ranks_serve_the_same(monkeypatch):
             session.exec("1 / 0")
         pids = _pids(session)
     assert_gone(pids)
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_keep_their_tensors_on_their_gpus():
+    world_size = torch.cuda.device_count()
+    with Ranks(world_size, timeout=120) as session:
+        assert session.backend == "nccl"
+        session.exec("from dmlbook.launch import device\nt = torch.ones(1, device=device())")
+        session.exec("dist.all_reduce(t)")  # a cell later, on the tensor an earlier one put there
+        assert session.exec("str(t.device), t.item()") == [
+            (f"cuda:{r}", float(world_size)) for r in range(world_size)
+        ]
