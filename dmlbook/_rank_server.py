@@ -113,6 +113,11 @@ class _Forward(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    def fileno(self) -> int:
+        # Code that writes to the descriptor itself (faulthandler, C extensions) reaches the
+        # rank's pipe, which the caller shows marked with the rank too.
+        return 1 if self.name == "stdout" else 2
+
     def write(self, text: str) -> int:
         self.pending += text
         if "\n" in text:
