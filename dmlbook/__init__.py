@@ -20,6 +20,23 @@ teaches it.
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
   repeat), ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
   (``python -m dmlbook.bench``: each implementation against torch's own)
+* ranks that live across notebook cells: ``ranks`` (``Ranks``, also ``dmlbook.launch.Ranks``) and
+  the IPython extension ``%load_ext dmlbook`` (``magic``: ``%ranks`` and ``%%ranks``, chapters 2
+  and 9)
 """
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (:mod:`dmlbook.magic`)."""
+    from dmlbook.magic import load_ipython_extension as load  # imports torch: only when asked
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext dmlbook``: stop the ranks the magics started."""
+    from dmlbook.magic import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,8 +1,11 @@
-"""What runs inside each rank process that :func:`dmlbook.launch.run` starts.
+"""What runs inside each rank process that :func:`dmlbook.launch.run` or
+:class:`dmlbook.ranks.Ranks` starts.
 
 The caller and a rank talk through files in a private temporary folder: ``meta.pkl`` and
 ``payload.pkl`` in, then ``result<rank>.pkl`` or ``error<rank>.pkl`` out, each written
 atomically; ``stack<rank>.txt`` receives a faulthandler dump when the caller sends SIGUSR1.
+A session's rank (``meta["serve"]``) has no payload: once its process group is up it serves the
+caller's requests (:mod:`dmlbook._rank_server`) until the caller closes the channel.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from dmlbook import _shipping
 
 
 def main() -> None:
-    """Entry point of a rank process: set up, call fn, write its result or its failure."""
+    """Entry point of a rank process: set up, call fn (or serve requests), report a failure."""
     workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
-    stack_file = open(workdir / f"stack{rank}.txt", "w")
+    # Appended to: the caller empties it before each SIGUSR1, and a session's rank may get several.
+    stack_file = open(workdir / f"stack{rank}.txt", "a")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable()  # a segfault still prints a Python stack on stderr
     meta = pickle.loads((workdir / "meta.pkl").read_bytes())
@@ -38,6 +42,15 @@ def main() -> None:
     os.chdir(meta["cwd"])
     _shipping.install_sources(meta["sources"])
     try:
+        if meta["serve"]:
+            from dmlbook import _rank_server
+
+            channel = _rank_server.Channel.passed_in()
+            _init_process_group(rank, meta)
+            _rank_server.serve(channel, rank, meta["world_size"])  # until the channel closes
+            # which means the caller is gone (a caller that closes the session kills us first):
+            # take what this rank started along, as a rank whose parent died does.
+            _orphaned(workdir)
         fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
         _init_process_group(rank, meta)
         result = fn(*args, **kwargs)
@@ -83,9 +96,16 @@ def _init_process_group(rank: int, meta: dict) -> None:
 
 
 def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:
+    report = failure_report(e, failed_at, hide=(__file__,))
+    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
+
+
+def failure_report(e: BaseException, failed_at: float, hide: tuple[str, ...]) -> dict:
+    """What the caller needs to name a failure: when, a one-line summary, the traceback (without
+    the leading frames of the files in ``hide``: the runtime's own) and the exception itself."""
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # hide this module's own frames
+    while tb is not None and tb.tb_frame.f_code.co_filename in hide:
+        tb = tb.tb_next
     text = "".join(traceback.format_exception(type(e), e, tb))
     try:
         exception = _shipping.dumps(e)[0]
@@ -95,8 +115,7 @@ def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float
         summary = f"{type(e).__name__}: {e}"
     except Exception:  # an exception whose __str__ itself fails
         summary = f"{type(e).__name__}: <str() failed>"
-    report = dict(time=failed_at, summary=summary, traceback=text, exception=exception)
-    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
+    return dict(time=failed_at, summary=summary, traceback=text, exception=exception)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

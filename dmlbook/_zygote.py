@@ -10,7 +10,9 @@ process per caller (the name is Android's, whose app processes fork from one war
   always runs the package's current source, as a freshly spawned one would.
 * Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
   with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
-  Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's.
+  Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's. A
+  persistent rank (:mod:`dmlbook.ranks`) also gets the rank's end of its control channel, whose
+  number it finds in ``$DMLBOOK_PASSED_FDS``.
 * The helper reaps its children and reports each exit code, so :class:`ForkedRank` offers the
   part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
 * When the caller goes away, its end of the socket closes and the helper exits; its ranks see
@@ -43,6 +45,10 @@ WARM_LATER = (
 )
 START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
 _MAX_MESSAGE = 1 << 20
+# A rank's file descriptors beyond stdout and stderr (a session's control channel), as the rank
+# finds them: comma-separated numbers in this environment variable.
+PASSED_FDS = "DMLBOOK_PASSED_FDS"
+_MAX_FDS = 3
 
 
 # --------------------------------------------------------------------------- the helper's side
@@ -68,7 +74,7 @@ def serve(fd: int) -> None:
                 pass
         _reap_children(sock)
         if sock in readable:
-            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
             if not message:  # the caller is gone
                 os._exit(0)
             request_id, argv, env = pickle.loads(message)
@@ -118,10 +124,11 @@ def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) ->
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        for f in (devnull, *fds):
+        for f in (devnull, *fds[:2]):
             os.close(f)
         os.environ.clear()
         os.environ.update(env)
+        os.environ[PASSED_FDS] = ",".join(map(str, fds[2:]))  # kept open, where they arrived
         sys.argv = list(argv)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         import torch.distributed as dist
@@ -205,15 +212,20 @@ class Zygote:
     def alive(self) -> bool:
         return self._alive and self.owner == os.getpid() and self.process.poll() is None
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
-        """Fork a rank that runs ``argv`` as ``python -c ...`` would, with ``env``."""
+    def spawn(self, argv: list[str], env: dict[str, str], pass_fds=()) -> ForkedRank:
+        """Fork a rank that runs ``argv`` as ``python -c ...`` would, with ``env``, and with
+        ``pass_fds`` open (where, ``$DMLBOOK_PASSED_FDS`` tells the rank)."""
+        if len(pass_fds) > _MAX_FDS - 2:
+            raise ValueError(f"at most {_MAX_FDS - 2} file descriptors beside stdout and stderr")
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             with self._lock:
                 self._next_id += 1
                 request = self._next_id
-                socket.send_fds(self.sock, [pickle.dumps((request, argv, env))], [out_w, err_w])
+                socket.send_fds(
+                    self.sock, [pickle.dumps((request, argv, env))], [out_w, err_w, *pass_fds]
+                )
             with self._changed:
                 if (
                     not self._changed.wait_for(

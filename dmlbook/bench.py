@@ -1,6 +1,7 @@
 """Benchmarks: each teaching implementation against torch's own, measured in the same run.
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
+    python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run
     python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
     python -m dmlbook.bench ddp --world-size 2 --json out.json
                                              # BucketedDDP and NaiveDDP vs torch DDP, per step
@@ -551,7 +552,16 @@ def bench_pipeline(
     return records
 
 
-BENCHES = ("launch", "data-parallel", "ddp", "allreduce", "recompute", "pipeline", "netlab")
+BENCHES = (
+    "launch",
+    "ranks",
+    "data-parallel",
+    "ddp",
+    "allreduce",
+    "recompute",
+    "pipeline",
+    "netlab",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -566,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (allreduce)")
     parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
     parser.add_argument(
-        "--json", help="allreduce, ddp, recompute, pipeline: write the records to this file"
+        "--json", help="ranks, allreduce, ddp, recompute, pipeline: write the records here"
     )
     parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
     parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
@@ -575,6 +585,10 @@ def main(argv: list[str] | None = None) -> None:
     every = args.which == "all"
     if every or args.which == "launch":
         bench_launch()
+    if every or args.which == "ranks":
+        from dmlbook.bench_ranks import bench_ranks
+
+        _write_json(bench_ranks(), args.json if args.which == "ranks" else None)
     if every or args.which == "data-parallel":
         bench_data_parallel(args.world_size)
     if every or args.which == "ddp":

@@ -8,6 +8,9 @@ that does not start from JupyterLab. The test
 * opens the notebook in Debian's Chromium, driven by Playwright (no browser is downloaded);
 * runs all cells from the Run menu and waits until every cell has run and the kernel is idle;
 * saves the notebook and checks, in the saved file, that every code cell ran and none raised;
+* checks that the ``%%ranks`` cells ran on ranks that live across cells (``%load_ext dmlbook``):
+  each rank's output marked ``[rank r]`` in rank order, a ``--on 0`` cell's value, the ring's
+  steps, ``%ranks status`` and ``%ranks stop``;
 * moves the ring all-reduce slider one step with the keyboard and checks that the plot changed;
 * saves a screenshot, whose path the end of the test session prints.
 
@@ -183,4 +186,33 @@ def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(lab, tmp_path, arti
     ]
     assert errors == []
     assert all(c.execution_count is not None for c in code), "a code cell did not run"
+    _check_ranks_cells(code)
     print(f"chapter 2 ran in JupyterLab in {ran_in:.0f} s; screenshot: {screenshot}")
+
+
+def _text(cell, kind: str = "stream") -> str:
+    if kind == "stream":
+        return "".join(o.text for o in cell.outputs if o.output_type == "stream")
+    return "".join(o.data["text/plain"] for o in cell.outputs if o.output_type == kind)
+
+
+def _check_ranks_cells(code) -> None:
+    """The %%ranks cells as JupyterLab ran them: each rank's output, marked and in rank order."""
+
+    def cell(*words):
+        (found,) = [c for c in code if all(w in c.source for w in words)]
+        return found
+
+    assert _text(cell("%ranks start 3")) == "3 ranks started (gloo)\n"
+    broadcast = cell("%%ranks", "collectives.broadcast(ours")
+    assert _text(broadcast) == "".join(f"[rank {r}] holds [20.0, 21.0]\n" for r in range(3))
+    on_0 = _text(cell("%%ranks --on 0", "torch.stack(gathered)"), "execute_result")
+    assert on_0.startswith("[tensor([[ 0.,  1.],") and on_0.count("tensor(") == 1
+    steps = _text(cell("%%ranks\nfor _ in range(world_size - 1)")).splitlines()
+    assert [line.split("]")[0] for line in steps] == ["[rank 0"] * 2 + ["[rank 1"] * 2 + [
+        "[rank 2"
+    ] * 2
+    assert steps[-1] == "[rank 2] after step 4: chunks hold ranks {0,1,2} {0,1,2} {0,1,2}"
+    status = _text(cell("%ranks status")).splitlines()
+    assert status[1].split() == ["rank", "pid", "alive", "busy", "memory"]
+    assert status[-1] == "3 ranks stopped"

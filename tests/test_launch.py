@@ -15,20 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive as _alive
 
-from dmlbook import _zygote, launch
+from dmlbook import _rank_group, _zygote, launch
 from dmlbook.launch import RankError, RankTimeoutError, run
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _alive(pid: int) -> bool:
-    """True if pid is a running (not zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def _record_pids(piddir: str) -> None:
@@ -283,24 +275,24 @@ def _report(t, summary):
 
 def test_first_failure_is_the_earliest():
     # Rank 1 failed at t=3 but is classified second; order of discovery must not matter.
-    later = launch._classify_failure(0, _report(5.0, "KeyError: 'x'"), 5.1, 1, [])
-    earlier = launch._classify_failure(1, _report(3.0, "ValueError: bad"), 3.1, 1, [])
-    assert launch._first_failure([later, earlier]).rank == 1
-    assert launch._first_failure([earlier, later]).rank == 1
+    later = _rank_group.classify_failure(0, _report(5.0, "KeyError: 'x'"), 5.1, 1, [])
+    earlier = _rank_group.classify_failure(1, _report(3.0, "ValueError: bad"), 3.1, 1, [])
+    assert _rank_group.first_failure([later, earlier]).rank == 1
+    assert _rank_group.first_failure([earlier, later]).rank == 1
 
 
 def test_knock_on_failure_never_blames_the_victim():
     # Rank 0's collective broke because rank 1 died; rank 0 even reported *before* the caller
     # saw rank 1's exit (sockets close before the exit is reported).
-    victim = launch._classify_failure(
+    victim = _rank_group.classify_failure(
         0, _report(10.000, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1"), 0, 1, []
     )
-    culprit = launch._classify_failure(1, None, 10.005, -9, ["last words"])
-    first = launch._first_failure([victim, culprit])
+    culprit = _rank_group.classify_failure(1, None, 10.005, -9, ["last words"])
+    first = _rank_group.first_failure([victim, culprit])
     assert first.rank == 1 and first.exitcode == -9
     assert "signal SIGKILL" in str(first) and "last words" in str(first)
     # a knock-on failure alone is still reported
-    assert launch._first_failure([victim]).rank == 0
+    assert _rank_group.first_failure([victim]).rank == 0
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])

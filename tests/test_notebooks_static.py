@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from IPython.core.inputtransformer2 import TransformerManager
 
 from dmlbook import classroom
 
@@ -29,11 +30,21 @@ def _code(path: Path) -> list[str]:
 
 
 def _parse(source: str, where: str) -> ast.Module:
-    # IPython syntax (magics, shell escapes) is not Python; the chapters use none
     try:
-        return ast.parse(source)
+        return ast.parse(_python(source, where))
     except SyntaxError as e:
         raise AssertionError(f"{where}: not plain Python: {e}") from e
+
+
+def _python(source: str, where: str) -> str:
+    """A cell as Python. The chapters' only IPython syntax is dmlbook's own magics: a ``%%ranks``
+    cell's body is Python that runs on the ranks (its names are checked like any other), and a
+    line magic becomes the call IPython makes of it."""
+    if source.startswith("%%"):
+        magic, _, body = source.partition("\n")
+        assert magic.split()[0] == "%%ranks", f"{where}: a cell magic other than %%ranks: {magic}"
+        return body
+    return TransformerManager().transform_cell(source)
 
 
 def dmlbook_names(sources: list[str], where: str) -> set[tuple[str, str]]:
@@ -109,9 +120,12 @@ def test_the_drift_guard_catches_a_removed_function():
         "c.chunk_holdings\nc.all_reduce_that_was_renamed(t)\n",
         "from dmlbook.exercises import ch01\nch01.check_shard\nch01.check_removed\n",
         "from dmlbook.module_that_was_split import helper\n",
+        "%%ranks --on 0\nfrom dmlbook.comm import collectives\ncollectives.gone_from_the_ranks()\n",
+        "%load_ext dmlbook\nshards = %ranks pull shard\n",
     ]
     assert missing(dmlbook_names(sources, "planted")) == [
         "dmlbook.comm.collectives.all_reduce_that_was_renamed",
+        "dmlbook.comm.collectives.gone_from_the_ranks",
         "dmlbook.exercises.ch01.check_removed",
         "dmlbook.launch.no_such_helper",
         "dmlbook.module_that_was_split",

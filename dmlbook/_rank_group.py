@@ -1,0 +1,290 @@
+"""Start N rank processes and watch them: what :func:`dmlbook.launch.run` and
+:class:`dmlbook.ranks.Ranks` share, so that both start, report and stop ranks one way.
+
+A :class:`RankGroup` owns, for one launch or one interactive session:
+
+* a private folder (``meta.pkl`` in, failure reports and stack dumps out) and the ``TCPStore``
+  the ranks rendezvous on, which lives in the caller so that it outlives any rank;
+* the processes, forked from the warm helper (:mod:`dmlbook._zygote`) or spawned as fresh
+  interpreters, each in a session of its own, with ``threads_per_rank`` threads;
+* their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
+  caller's thread; the exit of each, timed exactly;
+* for a session, one socket pair per rank (the fast channel of :mod:`dmlbook._rank_server`).
+
+And the ways a failure becomes an exception: :func:`classify_failure` and :func:`first_failure`
+name the rank that failed first (never one whose collective broke because a peer died), and
+:meth:`RankGroup.stack_dumps` asks stuck ranks for their Python stacks (faulthandler on SIGUSR1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import linecache
+import os
+import pickle
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dmlbook import _rank_process, _rank_server, _zygote
+from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
+
+# How gloo and NCCL say that a peer went away: such a rank failed because another one did.
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
+)
+STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
+# Frames of the runtime itself, left out of a stuck rank's stack.
+_OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
+
+
+class RankGroup:
+    """``world_size`` rank processes with a process group each; ``close()`` kills them all."""
+
+    def __init__(self, world_size: int, backend: str, timeout: float, serve: bool = False):
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.serve = serve  # a session's ranks serve requests; a launch's call one function
+        prefix = "dmlbook-ranks-" if serve else "dmlbook-launch-"
+        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.procs: list = []
+        self.controls: list[socket.socket] = []  # serve: the caller's end of each rank's channel
+        self.output: queue.Queue = queue.Queue()
+        self.pumps: list[threading.Thread] = []
+        self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
+        self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
+        self.helper = _start_helper()
+        self.store = None
+
+    def start(self, sources: dict[str, list[str]] | None = None) -> None:
+        """Write what every rank reads first, then start them, rank 0 first."""
+        # The store lives in the caller, so the rendezvous survives any rank dying.
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
+        meta = dict(
+            world_size=self.world_size,
+            backend=self.backend,
+            timeout=self.timeout,
+            port=self.store.port,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            sources=sources or {},  # cells' lines, which IPython keeps only in memory
+            parent_pid=self.helper.process.pid if self.helper else os.getpid(),
+            serve=self.serve,
+        )
+        (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
+        for rank in range(self.world_size):
+            self._start(rank)  # appends to self.procs first, so that close() kills each one
+
+    def _start(self, rank: int) -> None:
+        threads = threads_per_rank(self.world_size)
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            DMLBOOK_THREADS=str(threads),
+            RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(self.store.port),
+            PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        )
+        env[INSIDE_RUN] = "1"
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
+            env["GLOO_SOCKET_IFNAME"] = lo
+        pass_fds: list[int] = []
+        if self.serve:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.controls.append(mine)
+            pass_fds.append(theirs.fileno())
+        argv = ["-c", str(self.workdir), str(rank)]
+        try:
+            if self.helper:  # forked from the warm helper, which has imported torch already
+                proc = self.helper.spawn(argv, env, pass_fds)
+            else:
+                env[_zygote.PASSED_FDS] = ",".join(map(str, pass_fds))
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from dmlbook._rank_process import main; main()"]
+                    + argv[1:],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=pass_fds,
+                    start_new_session=True,  # its own process group: killpg reaches its children
+                )
+        finally:
+            if self.serve:
+                theirs.close()  # the rank holds it now: EOF on ours when the rank is gone
+        self.procs.append(proc)
+        for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            pump = threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+        threading.Thread(target=self._wait_exit, args=(rank, proc), daemon=True).start()
+
+    def _wait_exit(self, rank: int, proc) -> None:
+        # Blocks in waitpid, so the time of death is exact: a rank that dies hard is then ordered
+        # before the peers whose collectives fail *because* it died.
+        code = proc.wait()
+        self.exits[rank] = (time.time(), code)
+
+    def _pump(self, rank: int, name: str, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.output.put((rank, name, raw.decode(errors="replace").rstrip("\n")))
+        stream.close()
+
+    def drain_output(self) -> None:
+        """Print what the ranks wrote to their pipes, marked with the rank, from this thread."""
+        while True:
+            try:
+                rank, name, line = self.output.get_nowait()
+            except queue.Empty:
+                return
+            if name == "stderr":
+                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-20:]
+            print(f"[rank {rank}] {line}", file=sys.stderr if name == "stderr" else sys.stdout)
+
+    def failure(self, rank: int) -> tuple[tuple[bool, float], RankError]:
+        """A rank that exited without a result, as ((is it a knock-on failure, when), error)."""
+        died_at, code = self.exits[rank]
+        report_file = self.workdir / f"error{rank}.pkl"
+        report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
+        return classify_failure(rank, report, died_at, code, self.stderr_tail[rank])
+
+    def stack_dumps(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's Python stacks, from faulthandler (SIGUSR1), with the user's source lines."""
+        paths = {rank: self.workdir / f"stack{rank}.txt" for rank in ranks}
+        for rank in ranks:
+            paths[rank].write_text("")  # the rank appends: a session's rank may be asked again
+            if self.procs[rank].poll() is None:
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline and not all(
+            p.exists() and p.stat().st_size > 0 for p in paths.values()
+        ):
+            time.sleep(0.01)
+        time.sleep(0.05)  # let the last dump finish writing
+        return {r: readable_dump(p.read_text() if p.exists() else "") for r, p in paths.items()}
+
+    def wait_then_kill(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank and anything it started (its whole process group), then reap it."""
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+
+    def close(self) -> None:
+        """Kill the ranks, print what they had left to say, remove the folder. Idempotent."""
+        self.kill()
+        for sock in self.controls:
+            sock.close()
+        deadline = time.monotonic() + 1.0  # the pipes close once the ranks are gone
+        for pump in self.pumps:
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.drain_output()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.store = None
+
+
+def _start_helper() -> _zygote.Zygote | None:
+    """The warm process that forks ranks (:mod:`dmlbook._zygote`), or None to spawn them."""
+    if not _zygote.enabled():
+        return None
+    try:
+        return _zygote.helper()
+    except (OSError, RuntimeError) as e:
+        print(f"dmlbook.launch: starting ranks as fresh interpreters ({e})", file=sys.stderr)
+        return None
+
+
+def classify_failure(
+    rank: int, report: dict | None, died_at: float, code: int | None, stderr_tail: list[str]
+) -> tuple[tuple[bool, float], RankError]:
+    """A failed rank as ((is it a knock-on failure, when it failed), the error to raise).
+
+    ``report`` is what the rank wrote when it raised (None if it died without a word).
+    """
+    if report is None:
+        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        tail = "\n".join(stderr_tail[-10:])
+        message = f"rank {rank} failed first: it died with {how} and no Python traceback"
+        message += f"\nLast stderr lines:\n{tail}" if tail else ""
+        return (False, died_at), RankError(message, rank, code)
+    error = RankError(
+        f"rank {rank} failed first: {report['summary']}\n\nOn rank {rank}:\n{report['traceback']}",
+        rank,
+        code,
+        report["traceback"],
+    )
+    try:
+        error.__cause__ = pickle.loads(report["exception"])
+    except Exception:
+        pass
+    return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
+
+
+def first_failure(failures) -> RankError:
+    """The error of the rank that failed first, knock-on failures last.
+
+    A rank whose collective broke because a peer vanished failed as a *consequence*. It can even
+    report before the caller sees the peer's death (a dying process closes its sockets before
+    the kernel reports its exit), so it is named only when no other rank failed.
+    """
+    _, error = min(failures, key=lambda f: f[0])
+    return error
+
+
+def readable_dump(dump: str) -> str:
+    """Keep the user's threads and frames of a faulthandler dump, each with its source line."""
+    if not dump.strip():
+        return "(no stack dump: the rank did not answer SIGUSR1)"
+    threads = []
+    for block in dump.strip().split("\n\n"):
+        if f'File "{_rank_process.__file__}", line' in block and " in watch" in block:
+            continue  # the launcher's parent-watching thread
+        lines = []
+        for line in block.splitlines():
+            m = re.match(r'\s+File "(.+)", line (\d+) in ', line)
+            if m and m.group(1) in _OWN_FILES:
+                continue  # the launcher's own frames
+            lines.append(line)
+            if m and (src := linecache.getline(m.group(1), int(m.group(2))).strip()):
+                lines.append(f"    {src}")
+        threads.append("\n".join(lines))
+    return "\n\n".join(threads)
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), None)
