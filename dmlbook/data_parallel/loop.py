@@ -158,7 +158,8 @@ def train_loop(
     rank, world = group_rank_size(group)
     if isinstance(model, _DataParallel | TorchDDP):
         if sync is not None:
-            raise ValueError(f"a {type(model).__name__} averages gradients in backward: no sync")
+            name = type(model).__name__
+            raise ValueError(f"a {name} averages gradients in backward: pass no sync")
         sync = _AveragedInBackward()
     sync = GradientAveraging() if sync is None else sync
     state = LoopState(model, optimizer, group, rank, world, step, callbacks=list(callbacks))
