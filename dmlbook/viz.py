@@ -4,7 +4,8 @@ Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-agains
 sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
 chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it); chapters 6
 and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as
-white space).
+white space); chapter 13 draws the tokens each expert of a mixture of experts received, kept and
+dropped, against its capacity with ``expert_load``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Protocol
 
 import matplotlib.pyplot as plt
 
-__all__ = ["bars", "chunk_grid", "curves", "gantt", "stacked_bars"]
+__all__ = ["bars", "chunk_grid", "curves", "expert_load", "gantt", "stacked_bars"]
 
 
 def bars(
@@ -66,6 +67,23 @@ def stacked_bars(
     ax.tick_params(axis="x", labelrotation=15)
     ax.legend(fontsize=7)
     return ax
+
+
+def expert_load(
+    routed: Sequence[int],
+    capacity: int | None = None,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Tokens routed to each expert of a mixture of experts (``Routing.routed_per_expert``),
+    split into those kept and those dropped beyond ``capacity`` (a dashed line)."""
+    cap = capacity if capacity is not None else max(routed, default=0)
+    parts = {
+        f"expert {e}": {"kept": min(int(n), cap), "dropped": max(0, int(n) - cap)}
+        for e, n in enumerate(routed)
+    }
+    limit = (capacity, "capacity") if capacity is not None else None
+    return stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
 
 
 def curves(
