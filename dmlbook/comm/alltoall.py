@@ -95,7 +95,7 @@ def _splits(sizes, rows: int, world: int, name: str) -> list[int]:
     return sizes
 
 
-def _check_agreement(group, rank, world, output, input, out_splits, in_splits) -> None:
+def _check_agreement(group, world, input, out_splits, in_splits) -> None:
     """One all-gather of every rank's splits, row shape and dtype; the same verdict on every
     rank, so either all raise or none does."""
     if input.dim() > _MAX_DIMS:
@@ -150,7 +150,7 @@ def all_to_all_single(
     in_splits = _splits(input_split_sizes, input.shape[0], world, "input")
     out_splits = _splits(output_split_sizes, output.shape[0], world, "output")
     if check and world > 1:
-        _check_agreement(group, rank, world, output, input, out_splits, in_splits)
+        _check_agreement(group, world, input, out_splits, in_splits)
     in_starts = [0, *accumulate(in_splits)]
     out_starts = [0, *accumulate(out_splits)]
     source = input.contiguous()
