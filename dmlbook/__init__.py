@@ -17,7 +17,7 @@ teaches it.
   distillation, quantization, reduced precision)
 * ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``,
   ``parallelize``, ``mesh``, ``zero``, ``sharded_optimizer``, ``federated``, ``elastic``,
-  ``profiling``; chapter 13's ``sequence_parallel``, ``context_parallel``, ``moe``,
+  ``speedups``; chapter 13's ``sequence_parallel``, ``context_parallel``, ``moe``,
   ``expert_parallel``
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
   repeat), ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``

@@ -60,8 +60,9 @@ def _assert_equal_states(a, b):
 
 def _crashing_run(directory, crash):
     model, optimizer, x, y = _setup()
-    hook = ck.simulate_crash(**crash)
-    ck.train_resumable(model, optimizer, x, y, checkpoint_dir=directory, on_step=hook, **SETTINGS)
+    crash = ck.SimulateCrash(**crash)
+    ck.train_resumable(model, optimizer, x, y, checkpoint_dir=directory, callbacks=[crash],
+                       **SETTINGS)  # fmt: skip
 
 
 def _train(directory, restore_rng=True):

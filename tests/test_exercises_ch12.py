@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dmlbook.advanced import profiling as pr
+from dmlbook.advanced import speedups as pr
 from dmlbook.exercises import ExerciseFailed, ch12
 
 

@@ -1,4 +1,4 @@
-"""Tests for dmlbook.advanced.profiling (chapter 12): per-rank traces of bucketed, naive and torch
+"""Tests for dmlbook.advanced.speedups (chapter 12): per-rank traces of bucketed, naive and torch
 DDP steps are valid Chrome traces with communication and compute events, whose breakdown adds up to
 the step's wall time; the interval arithmetic on hand-made intervals; multiplexed jobs and a job
 migrated from 2 ranks to 1 equal training alone; heterogeneous training with unequal
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook.advanced import profiling as pr
+from dmlbook.advanced import speedups as pr
 from dmlbook.launch import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

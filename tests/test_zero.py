@@ -54,7 +54,7 @@ def _errors() -> dict[str, str]:
         "unit": dict(stage=3, units=[torch.nn.Linear(2, 2)]),
     }.items():
         try:
-            zero.ZeroDataParallel(make_model(), **kwargs)
+            zero.zero_data_parallel(make_model(), **kwargs)
         except ValueError as error:
             found[name] = str(error)
     return found
@@ -65,7 +65,7 @@ def _everything(cross_check_torch: bool) -> dict:
     if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0 has a wider model
         wider = mlp(3, in_features=7, hidden=(11, 5), out_features=3).double()
         try:
-            zero.ZeroDataParallel(wider if dist.get_rank() == 0 else make_model(), 3)
+            zero.ZeroStage3(wider if dist.get_rank() == 0 else make_model())
         except ValueError as error:
             out["errors"]["different models"] = str(error)
     for stage in zero.STAGES:
@@ -75,8 +75,8 @@ def _everything(cross_check_torch: bool) -> dict:
         )
     # stage 3 really lets go: after a step no parameter of the model has any storage left
     model = make_model()
-    engine = zero.ZeroDataParallel(model, 3, LR)
-    x, y = zero._local_batch(*batches()[0])
+    engine = zero.ZeroStage3(model, LR)
+    x, y = zero.training._local_batch(*batches()[0])
     torch.nn.functional.cross_entropy(engine(x), y).backward()
     engine.step()
     out["storage after step"] = [p.untyped_storage().nbytes() for p in model.parameters()]
@@ -99,7 +99,7 @@ def single_process() -> dict[str, torch.Tensor]:
     """The reference: one process, the whole batch, Adam (:func:`~dmlbook.optim.adam_update_`,
     checked against torch.optim.Adam below; torch.optim itself would import torch._dynamo here)."""
     model = make_model()
-    optimizer = zero._PlainAdam(list(model.parameters()), LR)
+    optimizer = zero.training._PlainAdam(list(model.parameters()), LR)
     for x, y in batches():
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -244,7 +244,7 @@ def test_every_stage_on_a_gpu_equals_single_process():
     on CUDA tensors too. GPU and CPU matmuls round differently, hence the looser tolerance."""
     want = single_process()
     for stage in zero.STAGES:
-        engine = zero.ZeroDataParallel(make_model().cuda(), stage, LR)
+        engine = zero.zero_data_parallel(make_model().cuda(), stage, lr=LR)
         for x, y in batches():
             engine.zero_grad()
             torch.nn.functional.cross_entropy(engine(x.cuda()), y.cuda()).backward()

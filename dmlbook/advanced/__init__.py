@@ -10,8 +10,8 @@
 * ``federated``: FedAvg, non-IID splits, secure aggregation (chapter 10)
 * ``elastic``: elastic training under torchrun, an adaptive parameter server, an autoscaled
   serving pool (chapter 11)
-* ``profiling``: compute against communication, job multiplexing and migration, heterogeneous
-  workers (chapter 12)
+* ``speedups``: profiling compute against communication, job multiplexing and migration,
+  heterogeneous workers (chapter 12)
 * chapter 13 (beyond the book): ``sequence_parallel`` (Megatron-SP), ``context_parallel`` (ring
   attention, zigzag layout), ``moe`` (a mixture-of-experts layer) and ``expert_parallel``
 """

@@ -2,8 +2,9 @@
 
 * ``averaging``: :func:`average_gradients` (synchronous SGD's model synchronisation, the one
   gradient average every chapter uses), parameter averaging, the two sync schemes (chapter 1)
-* ``loop``: :func:`train`, the data-parallel training loop, and the learning-rate rules for a
-  larger global batch (chapters 1 and 3)
+* ``loop``: :func:`train_loop`, the one data-parallel training loop, with callbacks that the
+  checkpointing, elastic and heterogeneous chapters plug into; :func:`train`, chapter 1's SGD on
+  it; the learning-rate rules for a larger global batch (chapters 1 and 3)
 * ``ddp``: :class:`BucketedDDP` (torch's DDP from scratch) and :class:`NaiveDDP` (chapter 3)
 * ``ps``: a sharded parameter server, synchronous, bounded-staleness or asynchronous (chapter 2)
 * ``checkpoint``: atomic, resumable checkpoints, and DCP sharded ones (chapter 3)
@@ -29,16 +30,30 @@ from dmlbook.data_parallel.ddp import (
     NaiveDDP,
     assign_buckets,
 )
-from dmlbook.data_parallel.loop import History, linear_scaling, sharded_accuracy, train, warmup
+from dmlbook.data_parallel.loop import (
+    Batch,
+    Callback,
+    History,
+    LoopState,
+    linear_scaling,
+    sharded_accuracy,
+    strided_batches,
+    train,
+    train_loop,
+    warmup,
+)
 from dmlbook.models import accuracy
 
 __all__ = [
+    "Batch",
     "BucketedDDP",
+    "Callback",
     "CommStats",
     "DistributedDataParallel",
     "GradBucket",
     "GradientAveraging",
     "History",
+    "LoopState",
     "ModelAveraging",
     "NaiveDDP",
     "accuracy",
@@ -48,6 +63,8 @@ __all__ = [
     "broadcast_parameters",
     "linear_scaling",
     "sharded_accuracy",
+    "strided_batches",
     "train",
+    "train_loop",
     "warmup",
 ]

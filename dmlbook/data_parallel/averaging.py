@@ -90,14 +90,17 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
 
 @dataclass
 class GradientAveraging:
-    """Synchronous SGD: average the gradients after every backward pass."""
+    """Synchronous SGD: average the gradients after every backward pass, with
+    :func:`average_gradients`'s ``algorithm`` and ``divide_by``."""
 
+    algorithm: str | None = None
+    divide_by: int | None = None
     rounds: int = 0  # how many times the ranks communicated
     floats_sent: int = 0  # how many numbers each rank contributed to all-reduces
 
     def after_backward(self, model: nn.Module, step: int, group=None) -> None:
         if group_rank_size(group)[1] > 1:
-            average_gradients(model, group)
+            average_gradients(model, group, algorithm=self.algorithm, divide_by=self.divide_by)
             self.rounds += 1
             self.floats_sent += sum(p.numel() for p in model.parameters())
 

@@ -42,7 +42,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +50,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.data_parallel import average_gradients, broadcast_parameters
-from dmlbook.datasets import shard_indices
+from dmlbook.data_parallel.averaging import broadcast_parameters
+from dmlbook.data_parallel.loop import Batch, Callback, LoopState, strided_batches, train_loop
 from dmlbook.launch import device
 
 __all__ = [
@@ -63,13 +62,15 @@ __all__ = [
     "Checkpoint",
     "TrainingRun",
     "SimulatedCrash",
+    "SimulateCrash",
+    "Checkpointing",
+    "progress_after",
     "atomic_save",
     "save",
     "load",
     "checkpoint_path",
     "latest",
     "seed_all",
-    "simulate_crash",
     "train_resumable",
     "save_sharded",
     "load_sharded",
@@ -337,23 +338,81 @@ def seed_all(seed: int) -> None:
 
 
 class SimulatedCrash(RuntimeError):
-    """Raised by :func:`simulate_crash`'s hook: the failure a resumed run recovers from."""
+    """Raised by :class:`SimulateCrash`: the failure a resumed run recovers from."""
 
 
-def simulate_crash(at_step: int, rank: int = 0, hard: bool = False) -> Callable[[Progress], None]:
-    """An ``on_step`` hook: rank ``rank`` fails after global step ``at_step``.
-
-    ``hard=True`` ends the process at once with ``os._exit`` (as a machine failure would: no
-    traceback, no cleanup); otherwise it raises :class:`SimulatedCrash`.
+class SimulateCrash(Callback):
+    """A callback for :func:`~dmlbook.data_parallel.loop.train_loop`: rank ``rank`` fails after
+    global step ``at_step``. ``hard=True`` ends the process at once with ``os._exit`` (as a
+    machine failure would: no traceback, no cleanup); otherwise it raises :class:`SimulatedCrash`.
     """
 
-    def hook(progress: Progress) -> None:
-        if progress.step == at_step and group_rank_size()[0] == rank:
-            if hard:
-                os._exit(17)
-            raise SimulatedCrash(f"rank {rank} crashed after step {at_step}, as asked")
+    def __init__(self, at_step: int, rank: int = 0, hard: bool = False) -> None:
+        self.at_step, self.rank, self.hard = at_step, rank, hard
 
-    return hook
+    def on_step(self, state: LoopState) -> None:
+        if state.step == self.at_step and state.rank == self.rank:
+            if self.hard:
+                os._exit(17)
+            raise SimulatedCrash(f"rank {self.rank} crashed after step {self.at_step}, as asked")
+
+
+def progress_after(batch: Batch, step: int) -> Progress:
+    """Where training stands after ``batch``, the ``step``-th step: the next batch to run."""
+    if batch.last_in_epoch:
+        return Progress(batch.epoch + 1, 0, step)
+    return Progress(batch.epoch, batch.index + 1, step)
+
+
+class Checkpointing(Callback):
+    """A callback that checkpoints the loop with :func:`save` every ``every`` steps and after the
+    last batch of epoch ``epochs - 1``, keeping the ``keep`` newest files of ``directory``.
+
+    ``extra(state)`` adds the caller's values to each checkpoint (always ``settings``: what fixes
+    the data order). After each save every callback's ``on_checkpoint(state, path)`` runs.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int,
+        epochs: int,
+        keep: int = 2,
+        settings: dict | None = None,
+        extra: Callable[[LoopState], dict] | None = None,
+    ) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError(f"every={every} and keep={keep} must be >= 1")
+        self.directory, self.every, self.epochs, self.keep = Path(directory), every, epochs, keep
+        self.settings, self.extra = settings or {}, extra
+
+    def on_train_start(self, state: LoopState) -> None:
+        if state.rank == 0:  # nobody is saving now: remove what a save killed earlier left behind
+            for leftover in self.directory.glob(".step-*.tmp"):
+                leftover.unlink(missing_ok=True)
+
+    def on_step(self, state: LoopState) -> None:
+        batch = state.batch
+        if state.step % self.every == 0 or (batch.last_in_epoch and batch.epoch + 1 == self.epochs):
+            path = checkpoint_path(self.directory, state.step)
+            extra = {"settings": self.settings, **(self.extra(state) if self.extra else {})}
+            save(path, model=state.model, optimizer=state.optimizer, extra=extra,
+                 progress=progress_after(batch, state.step), group=state.group)  # fmt: skip
+            if state.rank == 0:  # only once the new checkpoint is durable
+                for old in sorted(self.directory.glob("step-*.pt"))[: -self.keep]:
+                    old.unlink(missing_ok=True)
+            state.emit("on_checkpoint", path)
+
+
+class _Augment(Callback):
+    """Gaussian noise on this rank's inputs, from the global RNG: why every RNG is restored."""
+
+    def __init__(self, std: float) -> None:
+        self.std = std
+
+    def inputs(self, state: LoopState, x: torch.Tensor) -> torch.Tensor:
+        return x + self.std * torch.randn_like(x)
 
 
 @dataclass
@@ -378,24 +437,24 @@ def train_resumable(
     seed: int = 0,
     noise: float = 0.1,
     keep: int = 2,
-    on_step: Callable[[Progress], None] | None = None,
+    callbacks: Sequence[Callback] = (),
     restore_rng: bool = True,
     group=None,
 ) -> TrainingRun:
-    """Chapter 1's data-parallel loop, checkpointed every ``every`` steps; resumes from the latest.
+    """Chapter 1's loop (:func:`~dmlbook.data_parallel.loop.train_loop`) with a
+    :class:`Checkpointing` callback; it resumes from the latest checkpoint of ``checkpoint_dir``.
 
     Each step adds Gaussian noise (std ``noise``) to this rank's inputs, drawn from the global
     torch RNG seeded with ``seed + rank``: the random augmentation that makes restoring every
     rank's RNG necessary. Only the ``keep`` newest checkpoints are kept.
     """
     rank, world = group_rank_size(group)
-    if global_batch < 1 or global_batch % world or global_batch > len(x):
-        raise ValueError(f"global_batch={global_batch} must be a multiple of {world}, <= {len(x)}")
-    if every < 1 or keep < 1:
-        raise ValueError(f"every={every} and keep={keep} must be >= 1")
-    local_batch, steps_per_epoch = global_batch // world, len(x) // global_batch
+    batches = strided_batches(
+        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=seed
+    )  # fmt: skip  (checks the arguments before any load)
     # What fixes the data order: a position within an epoch means nothing under other values.
     settings = dict(seed=seed, global_batch=global_batch, samples=len(x))
+    saver = Checkpointing(checkpoint_dir, every=every, epochs=epochs, keep=keep, settings=settings)
     start, resumed_from = Progress(), None
     if (path := latest(checkpoint_dir)) is not None:
         loaded = load(path, model=model, optimizer=optimizer, restore_rng=restore_rng, group=group)
@@ -405,47 +464,16 @@ def train_resumable(
                 f"{settings}: resume with the same ones, or start in a new checkpoint_dir"
             )
         start, resumed_from = loaded.progress, loaded.progress.step
+        batches = strided_batches(len(x), global_batch, rank=rank, world_size=world,
+                                  epochs=epochs, seed=seed,
+                                  start=(start.epoch, start.step_in_epoch))  # fmt: skip
     else:
         seed_all(seed + rank)  # each rank its own random stream
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
-    if rank == 0:  # nobody is saving now: remove what a save killed earlier left behind
-        for leftover in Path(checkpoint_dir).glob(".step-*.tmp"):
-            leftover.unlink(missing_ok=True)
-    run, step = TrainingRun(resumed_from, start), start.step
-    for epoch in range(start.epoch, epochs):
-        shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
-        first = start.step_in_epoch if epoch == start.epoch else 0  # mid-epoch resume
-        for t in range(first, steps_per_epoch):
-            idx = shard[t * local_batch : (t + 1) * local_batch]  # this rank's part of batch t
-            xb, yb = x[idx], y[idx]
-            xb = xb + noise * torch.randn_like(xb)  # random augmentation: the RNG matters
-            loss = F.cross_entropy(model(xb), yb)  # compute
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # compute
-            average_gradients(model, group)  # communication
-            optimizer.step()
-            step += 1
-            run.losses.append(loss.item())
-            done = t + 1 == steps_per_epoch  # point at the next batch to run
-            run.progress = Progress(epoch + 1, 0, step) if done else Progress(epoch, t + 1, step)
-            if step % every == 0:
-                _save_and_prune(
-                    checkpoint_dir, model, optimizer, run.progress, settings, keep, group
-                )
-            if on_step is not None:
-                on_step(run.progress)
-    if run.progress.step % every and run.progress.step != start.step:  # the last few steps
-        _save_and_prune(checkpoint_dir, model, optimizer, run.progress, settings, keep, group)
-    return run
-
-
-def _save_and_prune(directory, model, optimizer, progress, settings, keep, group) -> None:
-    path = checkpoint_path(directory, progress.step)
-    extra = {"settings": settings}
-    save(path, model=model, optimizer=optimizer, progress=progress, extra=extra, group=group)
-    if group_rank_size(group)[0] == 0:  # only once the new checkpoint is durable
-        for old in sorted(Path(directory).glob("step-*.pt"))[:-keep]:
-            old.unlink(missing_ok=True)
+    done = train_loop(model, optimizer, x, y, batches, callbacks=[_Augment(noise), saver,
+                      *callbacks], step=start.step, group=group)  # fmt: skip
+    progress = start if done.batch is None else progress_after(done.batch, done.step)
+    return TrainingRun(resumed_from, progress, done.losses)
 
 
 # --------------------------------------------------------------------------- sharded, with DCP

@@ -1,12 +1,21 @@
-"""The data-parallel training loop and its learning-rate rules (chapters 1 and 3).
+"""The one data-parallel training loop, its callbacks, and the learning-rate rules (chapters 1, 3).
 
-* :func:`train` is the training loop. It is the single-process loop plus one ``sync`` call; at
-  world size 1, outside any process group, it *is* the single-process reference. Because
-  :func:`~dmlbook.datasets.shard_indices` splits each epoch's permutation with a stride, the
-  ranks' t-th local batches together are exactly the t-th global batch of the single-process run.
-  It also takes a DDP wrapper (chapter 3's or torch's), shows a progress bar on rank 0, and
-  scores the test set with :func:`sharded_accuracy`: each rank scores its share, one all-reduce
-  adds up the counts.
+* :func:`train_loop` is the loop every data-parallel chapter runs: for each batch of a batch plan,
+  forward, backward, the model synchronisation (``sync``), the optimizer step, and *callbacks*
+  at fixed moments (:class:`Callback`: on train start, on step start, after backward, on step, on
+  epoch, on checkpoint, on fault, on train end). What differs between chapters plugs in there:
+  chapter 1's learning-rate schedule, evaluation and progress bar; chapter 3's checkpoints and
+  planted crashes (:class:`~dmlbook.data_parallel.checkpoint.Checkpointing`); chapter 11's
+  timeline and re-partitioned batches; chapter 12's time slices and slow ranks. The loop itself
+  stays the single-process loop plus one ``sync`` call: at world size 1, outside any process
+  group, it *is* the single-process reference.
+* A batch plan is any iterable of :class:`Batch`: which samples this rank takes at each step.
+  :func:`strided_batches` is chapter 1's: because :func:`~dmlbook.datasets.shard_indices` splits
+  each epoch's permutation with a stride, the ranks' t-th local batches together are exactly
+  the t-th global batch of the single-process run.
+* :func:`train` is chapter 1's entry point: SGD with a learning-rate rule on the loop, a progress
+  bar on rank 0, test accuracy by :func:`sharded_accuracy` (each rank scores its share, one
+  all-reduce adds up the counts). It also takes a DDP wrapper (chapter 3's or torch's).
 * :func:`linear_scaling` and :func:`warmup` are the learning-rate rules for a larger global batch
   (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 """
@@ -14,7 +23,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -31,10 +40,202 @@ from dmlbook.data_parallel.ddp import _DataParallel
 from dmlbook.datasets import shard_indices
 from dmlbook.models import accuracy, count_correct
 
-__all__ = ["History", "linear_scaling", "sharded_accuracy", "train", "warmup"]
+__all__ = [
+    "Batch",
+    "Callback",
+    "History",
+    "LoopState",
+    "linear_scaling",
+    "sharded_accuracy",
+    "strided_batches",
+    "train",
+    "train_loop",
+    "warmup",
+]
 
 
-# --------------------------------------------------------------------------- training
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's samples on this rank, and where the step stands in its epoch."""
+
+    epoch: int
+    index: int  # the step's position within its epoch (0 for the epoch's first batch)
+    samples: Sequence[int] | torch.Tensor  # this rank's sample indices
+    last_in_epoch: bool = False
+    offset: int = 0  # samples of the epoch's order before this global batch
+    # Samples in the global batch. None: the loss is this rank's mean and ``sync`` averages the
+    # ranks' gradients (equal local batches). A number: the loss is this rank's summed loss
+    # divided by it, its share of the global mean, and ``sync`` must add the gradients
+    # (``GradientAveraging(divide_by=1)``): right for local batches of different sizes.
+    global_size: int | None = None
+
+
+@dataclass
+class LoopState:
+    """What the callbacks see: the model, where training stands, the last loss."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    group: object
+    rank: int
+    world_size: int
+    step: int = 0  # optimizer steps taken since training began (the global step)
+    batch: Batch | None = None  # the batch of the step under way, or of the last one
+    loss: torch.Tensor | None = None  # this rank's loss of that step (detached after the step)
+    losses: list[float] = field(default_factory=list)  # this rank's loss at each step it ran
+    callbacks: list = field(default_factory=list, repr=False)
+
+    def emit(self, event: str, *args) -> None:
+        """Call ``event`` on every callback, in order (a callback may emit further events)."""
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *args)
+
+
+class Callback:
+    """Hooks into :func:`train_loop`; override what you need. Every hook gets the loop's state."""
+
+    def on_train_start(self, state: LoopState) -> None:
+        """Before the first batch."""
+
+    def on_step_start(self, state: LoopState) -> None:
+        """A step begins; ``state.batch`` is its batch."""
+
+    def inputs(self, state: LoopState, x: torch.Tensor) -> torch.Tensor:
+        """This rank's inputs of the step, transformed (e.g. augmented) before the forward."""
+        return x
+
+    def after_backward(self, state: LoopState) -> None:
+        """The gradients are computed, not yet synchronised."""
+
+    def on_step(self, state: LoopState) -> None:
+        """The optimizer stepped; ``state.step`` counts this step."""
+
+    def on_epoch(self, state: LoopState) -> None:
+        """The epoch's last step is done."""
+
+    def on_checkpoint(self, state: LoopState, path) -> None:
+        """A checkpoint at ``path`` is durable."""
+
+    def on_fault(self, state: LoopState, error: BaseException) -> None:
+        """The step (or a callback's hook) raised ``error``; the loop raises it on afterwards."""
+
+    def on_train_end(self, state: LoopState) -> None:
+        """The last batch is done and the sync scheme has finished."""
+
+
+class _AveragedInBackward:
+    """The sync scheme of a DDP wrapper: it averaged the gradients during backward already."""
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    after_step = finish = after_backward
+
+
+def train_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batches: Iterable[Batch],
+    *,
+    sync=None,
+    loss_fn: Callable = F.cross_entropy,
+    callbacks: Sequence[Callback] = (),
+    step: int = 0,
+    group=None,
+) -> LoopState:
+    """Train ``model`` on the batches of ``batches``: the one data-parallel loop (chapter 1).
+
+    ``sync`` is the model synchronisation (:class:`GradientAveraging` by default; a DDP wrapper
+    syncs in backward, so pass none). ``step`` is the global step to count from, for a run that
+    resumes. A step that raises (a callback's hook included) calls every callback's ``on_fault``
+    and then raises on.
+    """
+    rank, world = group_rank_size(group)
+    if isinstance(model, _DataParallel | TorchDDP):
+        if sync is not None:
+            raise ValueError(f"a {type(model).__name__} averages gradients in backward: no sync")
+        sync = _AveragedInBackward()
+    sync = GradientAveraging() if sync is None else sync
+    state = LoopState(model, optimizer, group, rank, world, step, callbacks=list(callbacks))
+    state.emit("on_train_start")
+    for batch in batches:
+        state.batch = batch
+        try:
+            _step(state, x, y, sync, loss_fn)
+            state.emit("on_step")
+            if batch.last_in_epoch:
+                state.emit("on_epoch")
+        except BaseException as error:
+            state.emit("on_fault", error)
+            raise
+    sync.finish(model, state.step, group)
+    state.emit("on_train_end")
+    return state
+
+
+def _step(state: LoopState, x: torch.Tensor, y: torch.Tensor, sync, loss_fn: Callable) -> None:
+    """One step: compute, communicate, update."""
+    model, batch = state.model, state.batch
+    state.emit("on_step_start")
+    inputs = x[batch.samples]
+    for callback in state.callbacks:
+        inputs = callback.inputs(state, inputs)
+    out = model(inputs)  # compute
+    if batch.global_size is None:
+        loss = loss_fn(out, y[batch.samples])  # this rank's mean
+    else:  # this rank's share of the global batch's mean
+        loss = loss_fn(out, y[batch.samples], reduction="sum") / batch.global_size
+    state.optimizer.zero_grad(set_to_none=True)
+    state.loss = loss
+    loss.backward()  # compute (and, in a DDP wrapper, communication)
+    state.emit("after_backward")
+    sync.after_backward(model, state.step, state.group)  # communication (synchronous SGD)
+    state.optimizer.step()
+    sync.after_step(model, state.step, state.group)  # communication (model averaging)
+    state.step += 1
+    state.loss = loss.detach()
+    state.losses.append(loss.item())
+
+
+def strided_batches(
+    samples: int,
+    global_batch: int,
+    *,
+    rank: int,
+    world_size: int,
+    epochs: int,
+    seed: int = 0,
+    start: tuple[int, int] = (0, 0),
+) -> Iterable[Batch]:
+    """Chapter 1's batch plan: ``epochs`` epochs of global batches of ``global_batch`` samples,
+    rank ``rank`` taking every ``world_size``-th sample of each (see
+    :func:`~dmlbook.datasets.shard_indices`). Incomplete global batches are dropped. ``start``
+    is ``(epoch, batch within it)`` to begin at, for a run that resumes."""
+    if global_batch < 1 or global_batch % world_size:
+        raise ValueError(
+            f"global_batch={global_batch} must be a positive multiple of the world size "
+            f"{world_size}"
+        )
+    if global_batch > samples:
+        raise ValueError(f"global_batch={global_batch} is larger than the {samples} samples")
+    return _strided(samples, global_batch, rank, world_size, epochs, seed, start)
+
+
+def _strided(samples, global_batch, rank, world_size, epochs, seed, start) -> Iterable[Batch]:
+    local, per_epoch = global_batch // world_size, samples // global_batch
+    for epoch in range(start[0], epochs):
+        shard = shard_indices(samples, rank, world_size, shuffle=True, seed=seed, epoch=epoch)
+        for t in range(start[1] if epoch == start[0] else 0, per_epoch):
+            part = shard[t * local : (t + 1) * local]  # this rank's part of global batch t
+            yield Batch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch)
+
+
+# --------------------------------------------------------------------------- chapter 1's train
 
 
 @dataclass
@@ -65,13 +266,37 @@ def sharded_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, group=N
     return correct / total
 
 
-class _AveragedInBackward:
-    """The sync scheme of a DDP wrapper: it averaged the gradients during backward already."""
+@dataclass
+class _Chapter1(Callback):
+    """:func:`train`'s callbacks: the learning-rate rule, evaluation, the progress bar."""
 
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        pass
+    history: History
+    lr_at: Callable[[int], float]
+    test: tuple[torch.Tensor, torch.Tensor] | None
+    eval_every: int
+    score: Callable
+    bar: tqdm
+    start: float = 0.0
 
-    after_step = finish = after_backward
+    def on_train_start(self, state: LoopState) -> None:
+        self.start = time.perf_counter()
+
+    def on_step_start(self, state: LoopState) -> None:
+        self.history.lr.append(self.lr_at(state.step))
+        for g in state.optimizer.param_groups:
+            g["lr"] = self.history.lr[-1]
+
+    def on_step(self, state: LoopState) -> None:
+        self.history.loss.append(state.losses[-1])
+        self.bar.update()
+        self.bar.set_postfix(loss=f"{state.losses[-1]:.3f}", refresh=False)
+        if self.test is not None and self.eval_every and state.step % self.eval_every == 0:
+            self.history.eval_steps.append(state.step)
+            self.history.eval_seconds.append(time.perf_counter() - self.start)
+            self.history.accuracy.append(self.score(state.model, *self.test))
+
+    def on_train_end(self, state: LoopState) -> None:
+        self.bar.close()
 
 
 def train(
@@ -104,50 +329,20 @@ def train(
     models between averages: there each rank scores its own model on the whole test set.
     """
     rank, world = group_rank_size(group)
-    if global_batch < 1 or global_batch % world:
-        raise ValueError(
-            f"global_batch={global_batch} must be a positive multiple of the world size {world}"
-        )
-    if global_batch > len(x):
-        raise ValueError(f"global_batch={global_batch} is larger than the {len(x)} samples")
-    wrapped = isinstance(model, _DataParallel | TorchDDP)
-    if wrapped and sync is not None:
-        raise ValueError(f"a {type(model).__name__} averages gradients in backward: pass no sync")
-    if wrapped:
-        sync = _AveragedInBackward()
-    else:
-        sync = GradientAveraging() if sync is None else sync
+    batches = strided_batches(
+        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=seed
+    )
+    if not isinstance(model, _DataParallel | TorchDDP):
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
     score = accuracy if isinstance(sync, ModelAveraging) else partial(sharded_accuracy, group=group)
     lr_at = lr if callable(lr) else (lambda step: lr)
-    local_batch = global_batch // world
-    steps_per_epoch = len(x) // global_batch  # incomplete global batches are dropped
+    history = History()
+    steps = epochs * (len(x) // global_batch)
+    bar = tqdm(total=steps, disable=not progress or rank != 0, desc="train")
+    chapter1 = _Chapter1(history, lr_at, test, eval_every, score, bar)
     opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress or rank != 0, desc="train")
-    history, step, start = History(), 0, time.perf_counter()
-    for epoch in range(epochs):
-        shard = shard_indices(len(x), rank, world, shuffle=True, seed=seed, epoch=epoch)
-        for t in range(steps_per_epoch):
-            idx = shard[t * local_batch : (t + 1) * local_batch]  # this rank's part of batch t
-            history.lr.append(lr_at(step))
-            for g in opt.param_groups:
-                g["lr"] = history.lr[-1]
-            loss = loss_fn(model(x[idx]), y[idx])  # compute
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # compute (and, in a DDP wrapper, communication)
-            sync.after_backward(model, step, group)  # communication (synchronous SGD)
-            opt.step()
-            sync.after_step(model, step, group)  # communication (model averaging)
-            step += 1
-            history.loss.append(loss.item())
-            bar.update()
-            bar.set_postfix(loss=f"{history.loss[-1]:.3f}", refresh=False)
-            if test is not None and eval_every and step % eval_every == 0:
-                history.eval_steps.append(step)
-                history.eval_seconds.append(time.perf_counter() - start)
-                history.accuracy.append(score(model, *test))
-    bar.close()
-    sync.finish(model, step, group)
+    train_loop(model, opt, x, y, batches, sync=sync, loss_fn=loss_fn, callbacks=[chapter1],
+               group=group)  # fmt: skip
     return history
 
 

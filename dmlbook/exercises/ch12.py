@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmlbook.advanced import profiling
+from dmlbook.advanced.speedups import intervals
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_loss_scale", "check_overlap", "check_proportional_batches"]
@@ -128,9 +128,9 @@ def _overlap_mistakes(a: list, b: list) -> dict[str, float]:
     return {
         "you added the overlap of every pair, so time covered twice within one list counts "
         "twice; merge each list into disjoint intervals first": pairwise,
-        "that is the time covered by EITHER list (the union), not by both": profiling.length(a + b),
+        "that is the time covered by EITHER list (the union), not by both": intervals.length(a + b),
         "that is a fraction; return the overlapping time itself": (
-            profiling.overlap_fraction(a, b) if a else -1.0
+            intervals.overlap_fraction(a, b) if a else -1.0
         ),
     }
 
@@ -143,7 +143,7 @@ def check_overlap(fn: Callable[[list, list], float]) -> str:
         call = f"your overlap({a}, {b})"
         with learner_code(call):
             got = float(fn(list(a), list(b)))
-        want = profiling.length(profiling.intersection(a, b))
+        want = intervals.length(intervals.intersection(a, b))
         if abs(got - want) <= 1e-9 * max(1.0, want):
             continue
         hint = next(

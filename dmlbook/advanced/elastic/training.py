@@ -8,7 +8,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmlbook.data_parallel import accuracy, average_gradients, linear_scaling
+from dmlbook.data_parallel import (
+    Batch,
+    Callback,
+    GradientAveraging,
+    LoopState,
+    accuracy,
+    linear_scaling,
+    train_loop,
+)
 from dmlbook.data_parallel import checkpoint as ckpt
 from dmlbook.datasets import load_digits, shard_indices
 from dmlbook.models import mlp
@@ -157,6 +165,73 @@ def _plant_failure(config: ElasticConfig, timeline: Timeline, rank: int, step: i
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def elastic_batches(
+    samples: int,
+    *,
+    seed: int,
+    local_batch: int,
+    rank: int,
+    world_size: int,
+    epochs: int,
+    start: tuple[int, int] = (0, 0),
+) -> Iterable[Batch]:
+    """Chapter 11's batch plan for :func:`~dmlbook.data_parallel.loop.train_loop`: each global
+    batch is the next ``local_batch * world_size`` samples of the epoch's order (fewer at its
+    end), re-partitioned over *this* world size by :func:`rank_batch`; each rank's loss is its
+    share of the global mean. ``start`` is ``(epoch, position in samples)``, for a resumed run."""
+    for epoch in range(start[0], epochs):
+        order = epoch_order(samples, seed, epoch)
+        position, index = (start[1] if epoch == start[0] else 0), 0
+        while position < len(order):
+            size = min(local_batch * world_size, len(order) - position)
+            idx = rank_batch(order, position, local_batch, rank, world_size)
+            yield Batch(epoch, index, idx, last_in_epoch=position + size == len(order),
+                        offset=position, global_size=size)  # fmt: skip
+            position, index = position + size, index + 1
+
+
+def _position_after(batch: Batch) -> dict:
+    """Where the next step starts, in samples of its epoch: the next epoch once one is used up."""
+    return {"position": 0 if batch.last_in_epoch else batch.offset + batch.global_size}
+
+
+class _ElasticRecord(Callback):
+    """Chapter 11's records of each step: the samples each rank took, and on rank 0 the global
+    mean loss and each checkpoint in the timeline."""
+
+    def __init__(self, timeline: Timeline, samples_log, generation: int, lr: float) -> None:
+        self.timeline, self.samples_log, self.generation, self.lr = (
+            timeline, samples_log, generation, lr)  # fmt: skip
+
+    def on_step(self, state: LoopState) -> None:
+        batch = state.batch
+        self.samples_log.write(json.dumps([state.step, batch.epoch, list(batch.samples)]) + "\n")
+        loss = state.loss.reshape(1).clone()
+        dist.all_reduce(loss)  # the global batch's mean loss, for the curve
+        if state.rank == 0:
+            self.timeline.record("step", step=state.step, loss=loss.item(), world=state.world_size,
+                                 lr=self.lr, generation=self.generation)  # fmt: skip
+
+    def on_checkpoint(self, state: LoopState, path) -> None:
+        if state.rank == 0:
+            after = ckpt.progress_after(state.batch, state.step)
+            self.timeline.record("checkpoint", step=state.step, epoch=after.epoch,
+                                 **_position_after(state.batch))  # fmt: skip
+
+
+class _PlantedFailure(Callback):
+    """Kill this worker (or its whole node) once per run directory, at the planned step; then
+    wait ``step_delay`` seconds, to make a run long enough to watch."""
+
+    def __init__(self, config: ElasticConfig, timeline: Timeline) -> None:
+        self.config, self.timeline = config, timeline
+
+    def on_step(self, state: LoopState) -> None:
+        _plant_failure(self.config, self.timeline, state.rank, state.step)
+        if self.config.step_delay:
+            time.sleep(self.config.step_delay)
+
+
 def train_worker(config: ElasticConfig) -> dict | None:
     """One worker of elastic data-parallel training; torchrun starts it (again after failures).
 
@@ -175,30 +250,23 @@ def train_worker(config: ElasticConfig) -> dict | None:
                                    resumed)  # 2. a generation number per (re)start  # fmt: skip
     with open(run_dir / "pids.txt", "a") as f:
         f.write(f"{os.getpid()}\n")
-    samples_log = open(run_dir / f"samples-g{generation}-r{rank}.jsonl", "a", buffering=1)
-    # 3. Train: each global batch is re-partitioned for *this* world size.
-    while epoch < config.epochs:
-        order = epoch_order(len(x), config.seed, epoch)
-        while position < len(order):
-            idx = rank_batch(order, position, config.local_batch, rank, world)
-            global_size = min(config.local_batch * world, len(order) - position)
-            loss = _step(model, optimizer, x[idx], y[idx], global_size)
-            step, position = step + 1, position + global_size
-            samples_log.write(json.dumps([step, epoch, idx]) + "\n")
-            dist.all_reduce(loss)  # the global batch's mean loss, for the curve
-            if rank == 0:
-                timeline.record("step", step=step, loss=loss.item(), world=world, lr=lr,
-                                generation=generation)  # fmt: skip
-            # where the next step starts: the next epoch once this one is used up
-            after = (epoch + 1, 0) if position == len(order) else (epoch, position)
-            if step % config.every == 0 or after[0] == config.epochs:
-                _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank)
-            _plant_failure(config, timeline, rank, step)
-            if config.step_delay:
-                time.sleep(config.step_delay)
-        epoch, position = epoch + 1, 0
-    samples_log.close()
-    result = _finish(run_dir, model, step, world, timeline) if rank == 0 else None
+    # 3. Train: chapter 1's loop, each global batch re-partitioned for *this* world size.
+    batches = elastic_batches(len(x), seed=config.seed, local_batch=config.local_batch,
+                              rank=rank, world_size=world, epochs=config.epochs,
+                              start=(epoch, position))  # fmt: skip
+    saver = ckpt.Checkpointing(
+        run_dir / "checkpoints",
+        every=config.every,
+        epochs=config.epochs,
+        extra=lambda state: {"lr": lr, **_position_after(state.batch)},
+    )
+    with open(run_dir / f"samples-g{generation}-r{rank}.jsonl", "a", buffering=1) as log:
+        callbacks = [_ElasticRecord(timeline, log, generation, lr), saver,
+                     _PlantedFailure(config, timeline)]  # fmt: skip
+        sync = GradientAveraging(algorithm="ring", divide_by=1)  # chapter 2's ring all-reduce
+        done = train_loop(model, optimizer, x, y, batches, sync=sync, callbacks=callbacks,
+                          step=step)  # fmt: skip
+    result = _finish(run_dir, model, done.step, world, timeline) if rank == 0 else None
     dist.destroy_process_group()
     return result
 
@@ -231,28 +299,6 @@ def _start_generation(config, timeline, rank, world, lr, step, epoch, position, 
             nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
         )  # fmt: skip
     return int(generation)
-
-
-def _step(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor, global_size: int):
-    """One SGD step on this rank's part of a global batch; returns its share of the mean loss."""
-    # sum of per-sample losses / global batch: the all-reduced SUM is the mean gradient
-    loss = F.cross_entropy(model(x), y, reduction="sum") / global_size
-    optimizer.zero_grad()
-    loss.backward()
-    average_gradients(model, algorithm="ring", divide_by=1)  # chapter 2's ring all-reduce
-    optimizer.step()
-    return loss.detach().reshape(1)
-
-
-def _checkpoint(run_dir, model, optimizer, step, after, lr, timeline, rank) -> None:
-    """Chapter 3's atomic checkpoint at ``step``; rank 0 keeps only the two newest."""
-    progress, extra = ckpt.Progress(epoch=after[0], step=step), {"position": after[1], "lr": lr}
-    ckpt.save(ckpt.checkpoint_path(run_dir / "checkpoints", step), model=model,
-              optimizer=optimizer, progress=progress, extra=extra)  # fmt: skip
-    if rank == 0:
-        timeline.record("checkpoint", step=step, epoch=after[0], position=after[1])
-        for old in sorted((run_dir / "checkpoints").glob("step-*.pt"))[:-2]:
-            old.unlink(missing_ok=True)
 
 
 def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) -> dict:

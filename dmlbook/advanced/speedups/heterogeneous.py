@@ -1,0 +1,203 @@
+"""Heterogeneous workers: throttled ranks, batches in proportion to speed, and the weighted sum
+that keeps the update exact (chapter 12, idea 4; see :mod:`dmlbook.advanced.speedups`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmlbook.advanced.speedups.jobs import Job, _check_steps
+from dmlbook.comm.groups import group_rank_size
+from dmlbook.data_parallel import (
+    Batch,
+    Callback,
+    GradientAveraging,
+    LoopState,
+    broadcast_parameters,
+    train_loop,
+)
+
+
+def proportional_batches(speeds: Sequence[float], global_batch: int) -> list[int]:
+    """Split ``global_batch`` in proportion to ``speeds`` (samples per second), summing exactly
+    to ``global_batch``: round down, hand the samples left to the largest remainders, then give
+    any rank left with none one sample from the largest batch (a rank with nothing to do would
+    still have to join every all-reduce)."""
+    speeds = [float(s) for s in speeds]
+    if not speeds or any(not math.isfinite(s) or s <= 0 for s in speeds):
+        raise ValueError(f"speeds must be positive and finite, got {speeds}")
+    if global_batch < len(speeds):
+        raise ValueError(f"global_batch={global_batch} cannot give {len(speeds)} ranks one each")
+    exact = [global_batch * s / sum(speeds) for s in speeds]
+    batches = [math.floor(e) for e in exact]
+    by_remainder = sorted(range(len(speeds)), key=lambda r: batches[r] - exact[r])
+    for r in by_remainder[: global_batch - sum(batches)]:
+        batches[r] += 1
+    for r in range(len(batches)):
+        if batches[r] == 0:
+            batches[max(range(len(batches)), key=batches.__getitem__)] -= 1
+            batches[r] = 1
+    return batches
+
+
+def equal_batches(global_batch: int, world_size: int) -> list[int]:
+    """``global_batch`` split as evenly as it goes (the first ranks take the remainder)."""
+    if world_size < 1 or global_batch < world_size:
+        raise ValueError(f"global_batch={global_batch} cannot give {world_size} ranks one each")
+    base, extra = divmod(global_batch, world_size)
+    return [base + (r < extra) for r in range(world_size)]
+
+
+@dataclass
+class HeteroRun:
+    """One rank's heterogeneous training: the split it used and how fast the steps went."""
+
+    rank: int
+    batches: list[int]  # every rank's share of the global batch
+    speeds: list[float]  # every rank's measured samples per second (empty unless measured)
+    step_s: list[float]  # wall time of each step on this rank
+    state: dict[str, torch.Tensor] = field(repr=False)
+    global_batch: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Global samples per second, from the median step time."""
+        ordered = sorted(self.step_s)
+        return self.global_batch / ordered[len(ordered) // 2]
+
+
+class _Throttle(Callback):
+    """A processor ``slowdown`` times slower: after each backward pass the rank keeps its core
+    busy until ``slowdown`` times the step's compute time has passed. Spinning, unlike sleeping,
+    holds the core, so other work on the machine cannot use the gap (and a sleeper is not woken
+    ahead of busy processes); unlike repeating the computation, it is not sped up by warm
+    caches. It also times each whole step."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown, self.step_s, self.start = slowdown, [], 0.0
+
+    def on_step_start(self, state: LoopState) -> None:
+        self.start = time.perf_counter()
+
+    def after_backward(self, state: LoopState) -> None:
+        until = self.start + self.slowdown * (time.perf_counter() - self.start)
+        while time.perf_counter() < until:
+            pass
+
+    def on_step(self, state: LoopState) -> None:
+        self.step_s.append(time.perf_counter() - self.start)
+
+
+def union_batches(
+    samples: int, split: Sequence[int], rank: int, steps: int, seed: int, weighted: bool = True
+) -> Iterable[Batch]:
+    """Chapter 12's batch plan: step t's global batch is the t-th ``sum(split)`` samples of the
+    epoch's shuffle, and rank r takes ``split[r]`` of them. ``weighted`` makes each rank's loss
+    its share of the global mean (the sum over ranks is then the single-process gradient);
+    otherwise each rank's own mean, which plain DDP averages."""
+    global_batch, offset = sum(split), sum(split[:rank])
+    per_epoch = samples // global_batch
+    for step in range(steps):
+        epoch, t = divmod(step, per_epoch)
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
+        part = order[t * global_batch + offset : t * global_batch + offset + split[rank]]
+        yield Batch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch,
+                    global_size=global_batch if weighted else None)  # fmt: skip
+
+
+def _probe_speeds(job: Job, model: nn.Module, x, y, slowdown: float, probe_steps: int, group):
+    """Every rank's samples per second, each measured over ``probe_steps`` throttled backward
+    passes (after a warm-up), then all-gathered."""
+    rank, world = group_rank_size(group)
+    batch = max(1, job.global_batch // world)
+    probe = [Batch(0, 0, range(batch))] * (probe_steps + 1)
+    throttle = _Throttle(slowdown)
+    no_step = torch.optim.SGD(model.parameters(), lr=0.0)  # the probe must not train
+    train_loop(model, no_step, x, y, probe, sync=_NoSync(), callbacks=[throttle], group=group)
+    median_s = sorted(throttle.step_s[1:])[probe_steps // 2]  # the first was a warm-up
+    mine = torch.tensor([batch / median_s], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(every, mine, group=group)  # communication: every rank's speed
+    else:
+        every = [mine]
+    return [t.item() for t in every]
+
+
+class _NoSync:
+    """No synchronisation: each rank on its own (the speed probe)."""
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    after_step = finish = after_backward
+
+
+def train_heterogeneous(
+    job: Job,
+    steps: int,
+    *,
+    slowdown: Sequence[float] | None = None,
+    batches: str | Sequence[int] = "proportional",
+    weighted: bool = True,
+    probe_steps: int = 3,
+    group=None,
+) -> HeteroRun:
+    """Rank function: SGD on ``job`` where rank r is ``slowdown[r]`` times slower on purpose.
+
+    ``batches`` is "equal", "proportional" (to speeds measured over ``probe_steps`` throttled
+    steps, all-gathered) or an explicit list. ``weighted=True`` scales each rank's summed loss by
+    1 / global_batch and sums the gradients: the single-process update on the union batch.
+    ``weighted=False`` averages the ranks' mean-loss gradients, as plain DDP does.
+    """
+    _check_steps(steps)
+    rank, world = group_rank_size(group)
+    slowdown = [1.0] * world if slowdown is None else [float(s) for s in slowdown]
+    if len(slowdown) != world or any(not math.isfinite(s) or s < 1 for s in slowdown):
+        raise ValueError(f"slowdown needs {world} factors >= 1, got {slowdown}")
+    if job.momentum:
+        raise ValueError("train_heterogeneous takes plain SGD steps: give the job momentum=0")
+    B = job.global_batch
+    x, y = job.data()
+    model = job.model()
+    broadcast_parameters(model, group=group)
+    speeds: list[float] = []
+    if batches == "equal":
+        split = equal_batches(B, world)
+    elif batches == "proportional":
+        speeds = _probe_speeds(job, model, x, y, slowdown[rank], probe_steps, group)
+        split = proportional_batches(speeds, B)
+    elif isinstance(batches, str):
+        raise ValueError(f"batches is 'equal', 'proportional' or a list, got {batches!r}")
+    else:
+        split = [int(b) for b in batches]
+        if len(split) != world or sum(split) != B or min(split) < 1:
+            raise ValueError(f"batches {split} need {world} sizes >= 1 summing to {B}")
+    throttle = _Throttle(slowdown[rank])
+    # weighted, the sum of the ranks' gradients is the answer; else their mean, as plain DDP
+    sync = GradientAveraging(divide_by=1 if weighted else None)
+    plan = union_batches(job.samples, split, rank, steps, job.seed, weighted)
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr)
+    train_loop(model, opt, x, y, plan, sync=sync, callbacks=[throttle], group=group)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return HeteroRun(rank, split, speeds, throttle.step_s, state, B)
+
+
+def train_union_reference(job: Job, steps: int) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the same union batches: what :func:`train_heterogeneous` must equal."""
+    x, y = job.data()
+    model = job.model()
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr)
+    for batch in union_batches(job.samples, [job.global_batch], 0, steps, job.seed):
+        loss = F.cross_entropy(model(x[batch.samples]), y[batch.samples])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
