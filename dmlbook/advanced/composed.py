@@ -52,6 +52,7 @@ __all__ = [
     "compare_with_reference",
     "rank_batch",
     "train_composed",
+    "time_layouts",
     "train_reference",
 ]
 
@@ -151,10 +152,12 @@ def train_composed(
     reference_state: dict | None = None,
     measure: bool = False,
     zigzag: bool = True,
+    group_cache: dict | None = None,
 ) -> ComposedResult:
     """Rank function: train ``make_model()`` on ``batches`` with ``layout`` (see the module).
-    ``reference_state``: a trained reference's state dict to compare the final weights with."""
-    groups = ProcessGroups(layout)
+    ``reference_state``: a trained reference's state dict to compare the final weights with;
+    ``group_cache``: one dict passed to every call that trains in the same processes."""
+    groups = ProcessGroups(layout, group_cache)
     coords = groups.coords
     model = make_model()
     n_experts = max((len(m.experts) for m in model.modules() if hasattr(m, "router")), default=0)
@@ -230,3 +233,22 @@ def train_composed(
         reference.load_state_dict(reference_state)
         max_diff = compare_with_reference(composed.stage, reference, groups, zigzag)
     return ComposedResult(losses, groups.rank, coords, max_diff, timeline, measured, step_s)
+
+
+def time_layouts(
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    layouts: Sequence[Layout],
+    microbatches: int = 1,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Rank function: train with each layout in turn on the same ranks; for each, the step
+    times after ``warmup`` steps, each the slowest rank's (seconds, from the common start)."""
+    cache: dict = {}
+    times = {}
+    for layout in layouts:
+        result = train_composed(make_model, batches, layout, microbatches, group_cache=cache)
+        slowest = torch.tensor(result.step_s[warmup:], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times[str(layout)] = slowest.tolist()
+    return times

@@ -189,16 +189,20 @@ class ProcessGroups:
     ``groups.tp`` is the TP group (a real group even of size 1, never ``None``, which torch
     reads as the whole world); ``groups.coords`` the rank's place; ``groups.ranks["tp"]`` the
     global ranks of its TP group. Call it on every rank. One process (no process group) gets
-    ``None`` groups and the layout must be all ones."""
+    ``None`` groups and the layout must be all ones.
 
-    def __init__(self, layout: Layout) -> None:
+    torch names a locally synchronised group after its ranks, so a rank list can be made only
+    once per process: to build the groups of several layouts in one process, pass the same
+    ``cache`` dict (rank tuple -> group) to each."""
+
+    def __init__(self, layout: Layout, cache: dict | None = None) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         layout.check_world(world)
         self.layout, self.rank = layout, rank
         self.coords = layout.coordinates(rank)
         self.ranks = layout.groups_of(rank)
-        made: dict[tuple[int, ...], object] = {}
+        made: dict[tuple[int, ...], object] = {} if cache is None else cache
         for name in GROUP_NAMES:  # the same order on every rank
             key = tuple(self.ranks[name])
             if key not in made:

@@ -36,7 +36,11 @@ __all__ = [
     "Network",
     "Traffic",
     "Workload",
+    "holdings",
     "layouts_of",
+    "netlab_batches",
+    "netlab_model",
+    "parse_layout",
     "predict_memory",
     "predict_traffic",
     "rank_layouts",
@@ -95,6 +99,31 @@ def stage_layers(work: Workload, pp: int) -> list[list[str]]:
         out.append(layers[start : start + count])
         start += count
     return out
+
+
+def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
+    """What ``rank`` holds along each of ``dims``, in a few words (for pictures and tables):
+    its layers, batch rows, attention heads, sequence positions and experts."""
+    from dmlbook.advanced.context_parallel_styles import cp_layout
+
+    c, lines = layout.coordinates(rank), []
+    if "pp" in dims:
+        layers = stage_layers(work, layout.pp)[: c["pp"] + 1]
+        first = sum(len(x) for x in layers[:-1])
+        lines.append(f"layers {first}-{first + len(layers[-1]) - 1}")
+    if "dp" in dims:
+        rows = work.batch // layout.dp
+        lines.append(f"rows {c['dp'] * rows}-{(c['dp'] + 1) * rows - 1}")
+    if "tp" in dims:
+        heads = work.n_head // layout.tp
+        lines.append(f"heads {c['tp'] * heads}-{(c['tp'] + 1) * heads - 1}")
+    if "cp" in dims:
+        chunks = cp_layout(work.seq // layout.cp, layout.cp)[c["cp"]]
+        lines.append("tokens " + ",".join(f"{a}-{b - 1}" for a, b in chunks))
+    if "ep" in dims and work.n_experts:
+        per = work.n_experts // layout.ep
+        lines.append(f"experts {c['ep'] * per}-{(c['ep'] + 1) * per - 1}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -303,3 +332,40 @@ def rank_layouts(work: Workload, world_size: int, network: Network) -> list[tupl
     """The layouts of ``world_size`` that fit ``work``, cheapest predicted step first."""
     costed = [(layout, step_time(work, layout, network)) for layout in layouts_of(world_size, work)]
     return sorted(costed, key=lambda lc: lc[1]["total"])
+
+
+def parse_layout(text: str) -> Layout:
+    """``"dp2.tp2.pp2"`` (or ``"dp2 x tp2 x pp2"``, as ``str(layout)`` writes it) as a Layout."""
+    sizes = {}
+    for part in text.replace(" x ", ".").split("."):
+        name, value = part[:2], part[2:]
+        if name not in DIMENSIONS or not value.isdigit():
+            raise ValueError(f"cannot read {part!r} of {text!r}: write e.g. dp2.tp2.pp2")
+        sizes[name] = int(value)
+    return Layout(**sizes)
+
+
+# The workload chapter 13 times on the network lab (examples/composed_layouts.py): big enough
+# that a layout's traffic over a shaped link shows in its step time, small enough for 2 cores.
+NETLAB_MODEL = dict(n_layer=2, n_head=8, n_embd=64, block_size=32)
+NETLAB_VOCAB, NETLAB_BATCH, NETLAB_SEQ = 64, 16, 32
+
+
+def netlab_model():
+    """The char-GPT that chapter 13 times (float32, seed 0)."""
+    from dmlbook.models import char_gpt
+
+    return char_gpt(NETLAB_VOCAB, seed=0, **NETLAB_MODEL)
+
+
+def netlab_batches(steps: int):
+    """``steps`` batches of random tokens for :func:`netlab_model`."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    shape = (NETLAB_BATCH, NETLAB_SEQ)
+    return [
+        (torch.randint(0, NETLAB_VOCAB, shape, generator=g),
+         torch.randint(0, NETLAB_VOCAB, shape, generator=g))
+        for _ in range(steps)
+    ]  # fmt: skip
