@@ -45,6 +45,7 @@ __all__ = [
     "predict_traffic",
     "rank_layouts",
     "stage_layers",
+    "step_flops",
     "step_time",
 ]
 
@@ -287,7 +288,7 @@ class Network:
         return self.intra if len(nodes) == 1 else self.inter
 
 
-def _flops(work: Workload) -> float:
+def step_flops(work: Workload) -> float:
     """Training FLOPs of one step (6 x parameters x tokens, plus attention's scores)."""
     c = work.n_embd
     per_block = 12 * c * c if not work.n_experts else 4 * c * c + work.top_k * 8 * c * c
@@ -308,7 +309,7 @@ def step_time(work: Workload, layout: Layout, network: Network) -> dict[str, flo
             link = network.link(group)
             secs = traffic.messages[dim] * link.alpha + traffic.sent[dim] * link.beta
             worst[dim] = max(worst.get(dim, 0.0), secs)
-    share = _flops(work) / layout.world_size / network.flops
+    share = step_flops(work) / layout.world_size / network.flops
     worst["compute"] = share * (1 + (layout.pp - 1) / work.microbatches)
     worst["total"] = sum(worst.values())
     return worst
