@@ -82,7 +82,7 @@ def test_every_group_partitions_the_world_and_coordinates_round_trip(layout):
         (lambda: Layout(dp=0), "Layout.dp"),
         (lambda: Layout(tp=2.0), "Layout.tp"),
         (lambda: Layout(dp=3, ep=2), "ep=2 must divide dp x cp"),
-        (lambda: Layout(dp=2, tp=2).check_world(8), "needs pp x dp x cp x tp"),
+        (lambda: Layout(dp=2, tp=2).validate_world(8), "needs pp x dp x cp x tp"),
     ],
 )
 def test_bad_layouts_name_the_dimension(make, words):
@@ -105,7 +105,7 @@ def test_bad_layouts_name_the_dimension(make, words):
 def test_models_that_do_not_split_name_the_dimension(layout, seq, batch, experts, words):
     config = GPTConfig(vocab_size=VOCAB, **MODEL)
     with pytest.raises(ValueError, match=words):
-        layout.check_model(config, seq, batch, microbatches=1, n_experts=experts)
+        layout.validate_model(config, seq, batch, microbatches=1, n_experts=experts)
 
 
 # --------------------------------------------------------------------------- equal to one process

@@ -161,8 +161,8 @@ def train_composed(
     coords = groups.coords
     model = make_model()
     n_experts = max((len(m.experts) for m in model.modules() if hasattr(m, "router")), default=0)
-    idx0 = batches[0][0]
-    layout.check_model(model.config, idx0.shape[1], idx0.shape[0], microbatches, n_experts, zigzag)
+    rows, seq = batches[0][0].shape
+    layout.validate_model(model.config, seq, rows, microbatches, n_experts, zigzag)
     composed = parallelize_composed(model, groups, zigzag)
     stage = PipelineStage(composed.stage, coords["pp"], layout.pp, groups.pp, device="cpu")
     optimizers = [

@@ -84,7 +84,7 @@ class Layout:
     def __str__(self) -> str:
         return " x ".join(f"{n}{getattr(self, n)}" for n in ("dp", "tp", "pp", "cp", "ep"))
 
-    def check_world(self, world_size: int) -> None:
+    def validate_world(self, world_size: int) -> None:
         """A ValueError unless the degrees multiply to ``world_size``."""
         if self.world_size != world_size:
             raise ValueError(
@@ -92,7 +92,7 @@ class Layout:
                 f"{self.tp} = {self.world_size} ranks, but the world has {world_size}"
             )
 
-    def check_model(
+    def validate_model(
         self,
         config,
         seq_len: int,
@@ -198,7 +198,7 @@ class ProcessGroups:
     def __init__(self, layout: Layout, cache: dict | None = None) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        layout.check_world(world)
+        layout.validate_world(world)
         self.layout, self.rank = layout, rank
         self.coords = layout.coordinates(rank)
         self.ranks = layout.groups_of(rank)

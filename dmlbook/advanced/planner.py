@@ -81,12 +81,12 @@ class Workload:
                    microbatches, n_experts, top_k, element_size)  # fmt: skip
 
     def fits(self, layout: Layout) -> bool:
-        """Whether the layout splits this model and batch (see Layout.check_model)."""
+        """Whether the layout splits this model and batch (see Layout.validate_model)."""
         from dmlbook.models import GPTConfig
 
         config = GPTConfig(self.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd)
         try:
-            layout.check_model(config, self.seq, self.batch, self.microbatches, self.n_experts)
+            layout.validate_model(config, self.seq, self.batch, self.microbatches, self.n_experts)
         except ValueError:
             return False
         return True
