@@ -163,7 +163,7 @@ def test_measured_memory_and_traffic_match_the_prediction(name):
 
 
 def _mismatched_sequence(make, all_batches, layout):
-    """Rank 1 passes sequences of another length: ring attention's check must say so."""
+    """Rank 1 passes sequences of another length: every rank must say so."""
     import torch.distributed as dist
 
     mine = all_batches if dist.get_rank() == 0 else [(i[:, :8], t[:, :8]) for i, t in all_batches]
@@ -172,8 +172,8 @@ def _mismatched_sequence(make, all_batches, layout):
 
 @pytest.mark.timeout(120)
 def test_mismatched_shapes_and_worlds_raise_on_every_rank_without_a_hang():
-    with pytest.raises(RankError, match="ranks disagree on sequence positions"):
-        run(_mismatched_sequence, 2, make_dense, batches(), Layout(cp=2), timeout=60)
+    with pytest.raises(RankError, match="cp/tp: sequence lengths differ across ranks"):
+        run(_mismatched_sequence, 2, make_dense, batches(), Layout(tp=2), timeout=60)
     with pytest.raises(RankError, match="needs pp x dp x cp x tp = 1 x 4 x 1 x 1 = 4 ranks"):
         run(train_composed, 2, make_dense, batches(), Layout(dp=4), timeout=60)
 

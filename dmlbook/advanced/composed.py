@@ -42,6 +42,7 @@ from dmlbook.advanced.layout import Layout, ProcessGroups
 from dmlbook.advanced.parallelize import parallelize_composed
 from dmlbook.advanced.sharded_optimizer import ShardedOptimizer, optimizer_state_bytes
 from dmlbook.comm import collectives
+from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
 from dmlbook.data_parallel import average_gradients
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
@@ -136,6 +137,19 @@ def _dimension_of(send, layout: Layout) -> str:
     return "dp" if "dp" in differ else differ[0]
 
 
+def _same_batch_shape(idx: torch.Tensor) -> None:
+    """One all-gather of every rank's local batch shape: a ValueError on every rank, naming the
+    dimension, when they differ (a collective on mismatched shapes could wait forever)."""
+    shapes = exchange_sizes(list(idx.shape), None, idx.device)
+    problems = []
+    for d, what in enumerate(("dp: batch rows", "cp/tp: sequence lengths")):
+        if len({s[d] for s in shapes}) > 1:
+            found = ", ".join(f"rank {r}: {s[d]}" for r, s in enumerate(shapes))
+            problems.append(f"{what} differ across ranks ({found})")
+    if problems:
+        raise ValueError("the ranks' batches do not match: " + "; ".join(problems))
+
+
 def _common_start() -> float:
     """The step's start on every rank: the latest arrival (an all-reduce is also a barrier)."""
     latest = torch.tensor([time.time()], dtype=torch.float64)
@@ -174,6 +188,7 @@ def train_composed(
     losses, step_s, timeline, measured = [], [], [], None
     for step, batch in enumerate(batches):
         idx, targets = rank_batch(batch, layout, coords, zigzag)
+        _same_batch_shape(idx)
         last_step = step == len(batches) - 1
         meter = measure and last_step
         for p in composed.stage.parameters():
