@@ -7,7 +7,8 @@ teaches it.
   (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11)
 * ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group, the block
   of a size it owns), ``trace`` (recording traffic), ``collectives`` (every collective from
-  send/recv, chapters 2 and 4), ``costmodel`` (alpha-beta), ``compression`` (chapter 4)
+  send/recv, chapters 2 and 4), ``costmodel`` (alpha-beta), ``compression`` (chapter 4),
+  ``alltoall`` (chapter 13)
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
   scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
   ``serving`` (data-parallel inference), ``tuning``
@@ -16,7 +17,8 @@ teaches it.
   distillation, quantization, reduced precision)
 * ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``,
   ``parallelize``, ``mesh``, ``zero``, ``sharded_optimizer``, ``federated``, ``elastic``,
-  ``speedups``
+  ``speedups``; chapter 13's ``sequence_parallel``, ``context_parallel``, ``moe``,
+  ``expert_parallel``
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
   repeat), ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
   (``python -m dmlbook.bench``: each implementation against torch's own)

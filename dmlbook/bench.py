@@ -13,6 +13,9 @@
                                              # vanilla / GPipe / 1F1B step time and bubble vs
                                              # torch.distributed.pipelining, 2 stages
     python -m dmlbook.bench netlab           # TCP over a shaped netlab link vs its setting (root)
+    python -m dmlbook.bench composed --json out.json
+                                             # chapter 13's step at world size 8: memory and
+                                             # bytes per dimension, measured / predicted
     python -m dmlbook.bench all
 
 Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
@@ -561,6 +564,7 @@ BENCHES = (
     "recompute",
     "pipeline",
     "netlab",
+    "composed",
 )
 
 
@@ -576,7 +580,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (allreduce)")
     parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
     parser.add_argument(
-        "--json", help="ranks, allreduce, ddp, recompute, pipeline: write the records here"
+        "--json",
+        help="ranks, allreduce, ddp, recompute, pipeline, composed: write the records to this file",
     )
     parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
     parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
@@ -604,6 +609,10 @@ def main(argv: list[str] | None = None) -> None:
         bench_pipeline(json_path=args.json if args.which == "pipeline" else None)
     if every or args.which == "netlab":
         bench_netlab()
+    if every or args.which == "composed":
+        from dmlbook.bench_composed import bench_composed
+
+        bench_composed(json_path=args.json if args.which == "composed" else None)
 
 
 if __name__ == "__main__":

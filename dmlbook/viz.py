@@ -4,7 +4,10 @@ Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-agains
 sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
 chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it); chapters 6
 and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as
-white space).
+white space); chapter 13 draws the tokens each expert of a mixture of experts received, kept and
+dropped, against its capacity with ``expert_load``, which rank holds what on a 5-D layout with
+``who_holds_what`` and one composed step of every rank with ``gantt`` (its gradient sync and
+optimizer step in their own colours).
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from typing import Protocol
 
 import matplotlib.pyplot as plt
 
-__all__ = ["bars", "chunk_grid", "curves", "gantt", "stacked_bars"]
+__all__ = [
+    "bars",
+    "chunk_grid",
+    "curves",
+    "expert_load",
+    "gantt",
+    "stacked_bars",
+    "who_holds_what",
+]
 
 
 def bars(
@@ -66,6 +77,23 @@ def stacked_bars(
     ax.tick_params(axis="x", labelrotation=15)
     ax.legend(fontsize=7)
     return ax
+
+
+def expert_load(
+    routed: Sequence[int],
+    capacity: int | None = None,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Tokens routed to each expert of a mixture of experts (``Routing.routed_per_expert``),
+    split into those kept and those dropped beyond ``capacity`` (a dashed line)."""
+    cap = capacity if capacity is not None else max(routed, default=0)
+    parts = {
+        f"expert {e}": {"kept": min(int(n), cap), "dropped": max(0, int(n) - cap)}
+        for e, n in enumerate(routed)
+    }
+    limit = (capacity, "capacity") if capacity is not None else None
+    return stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
 
 
 def curves(
@@ -129,7 +157,9 @@ class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.model_parallel.p
     end: float
 
 
-GANTT_COLOURS = {"F": "#4c8bd6", "B": "#e8913a"}  # forward blue, backward orange; others grey
+# forward blue, backward orange, gradient sync green, optimizer step purple; others grey
+GANTT_COLOURS = {"F": "#4c8bd6", "B": "#e8913a", "sync": "#59a14f", "step": "#b07aa1"}
+_GANTT_NAMES = {"F": "forward", "B": "backward", "sync": "gradient sync", "step": "optimizer step"}
 
 
 def gantt(
@@ -153,13 +183,51 @@ def gantt(
             left, width = (r.start - t0) * scale, (r.end - r.start) * scale
             colour = GANTT_COLOURS.get(r.op, "0.6")
             ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
-            ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center", fontsize=7)
+            if r.microbatch >= 0:  # -1: not a micro-batch's op (sync, step)
+                ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center",
+                        fontsize=7)  # fmt: skip
     ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
     ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, as in the book's figures
     ax.set_xlabel(f"time since the step started ({unit})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
-    ax.legend(
-        handles, ["forward", "backward"], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0)
-    )
+    present = {r.op for timeline in timelines for r in timeline}
+    ops = [op for op in GANTT_COLOURS if op in present or op in ("F", "B")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=GANTT_COLOURS[op]) for op in ops]
+    names = [_GANTT_NAMES[op] for op in ops]
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=9)
+    return ax
+
+
+def who_holds_what(
+    labels: Sequence[str],
+    groups: Sequence[Sequence[int]],
+    columns: int,
+    title: str = "",
+    group_name: str = "group",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Ranks as boxes on a grid of ``columns`` (rank r at row r // columns), each box saying what
+    that rank holds (``labels[r]``), the ranks of each of ``groups`` (one dimension's process
+    groups) in one colour and joined by a line."""
+    n = len(labels)
+    rows = -(-n // columns)
+    ax = ax or plt.subplots(figsize=(1.9 * columns + 0.6, 1.25 * rows + 0.8))[1]
+    colours = plt.get_cmap("tab10")
+    colour_of = {r: colours(g % 10) for g, ranks in enumerate(groups) for r in ranks}
+    where = {r: (r % columns, rows - 1 - r // columns) for r in range(n)}
+    for r, text in enumerate(labels):
+        x, y = where[r]
+        ax.add_patch(plt.Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, color=colour_of.get(r, "0.8"),
+                                   alpha=0.3))  # fmt: skip
+        ax.text(x + 0.5, y + 0.5, f"rank {r}\n{text}", ha="center", va="center", fontsize=7)
+    for g, ranks in enumerate(groups):
+        if len(ranks) > 1:
+            xs = [where[r][0] + 0.5 for r in ranks]
+            ys = [where[r][1] + 0.15 for r in ranks]
+            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.5, ms=3)
+    ax.set_xlim(0, columns)
+    ax.set_ylim(0, rows)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title or f"who holds what: one colour per {group_name} group", fontsize=9)
     return ax

@@ -101,7 +101,7 @@ def missing(used: set[tuple[str, str]]) -> list[str]:
 
 
 def test_the_chapters_are_all_here():
-    assert len(NOTEBOOKS) == 13, [p.name for p in NOTEBOOKS]
+    assert len(NOTEBOOKS) == 14, [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

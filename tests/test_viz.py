@@ -33,3 +33,14 @@ def test_stacked_bars_stack_parts_and_annotate_totals():
     assert [h[1] for h in heights] == [0.0, 0.0, 1.0, 0.0, 3.0, 4.0]  # each part on the last
     assert [t.get_text() for t in ax.texts] == ["3", "4.5"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["device", "x", "y", "z"]
+
+
+def test_who_holds_what_colours_each_group_and_labels_each_rank():
+    from dmlbook.advanced.layout import Layout
+
+    layout = Layout(dp=2, tp=2, pp=2)
+    ax = viz.who_holds_what([f"r{r}" for r in range(8)], layout.group_ranks()["pp"], columns=4)
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == [f"rank {r}\nr{r}" for r in range(8)]
+    assert len(ax.lines) == 4  # one line joins the two ranks of each pipeline group
+    plt.close(ax.figure)

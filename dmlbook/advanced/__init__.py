@@ -12,4 +12,6 @@
   serving pool (chapter 11)
 * ``speedups``: profiling compute against communication, job multiplexing and migration,
   heterogeneous workers (chapter 12)
+* chapter 13 (beyond the book): ``sequence_parallel`` (Megatron-SP), ``context_parallel`` (ring
+  attention, zigzag layout), ``moe`` (a mixture-of-experts layer) and ``expert_parallel``
 """

@@ -14,7 +14,9 @@ is a transformation, not a second model class:
 * :func:`parallelize` composes them on a :class:`~dmlbook.advanced.mesh.DeviceMesh`, in the one
   order written down here: tensor parallelism first (it decides which parameters exist on this
   rank), data parallelism last (it averages, over the ranks that hold the same shard, the parameters
-  that now exist). Chapter 9's hybrid training uses it.
+  that now exist). Chapter 9's hybrid training uses it;
+* :func:`parallelize_composed` (chapter 13) extends the same order to five dimensions on a
+  :class:`~dmlbook.advanced.layout.ProcessGroups`: :data:`COMPOSITION_ORDER`, written once, here.
 
 torch's own counterpart is ``torch.distributed.tensor.parallel.parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel`` and ``loss_parallel``; torchtitan's ``parallelize``
@@ -26,7 +28,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -43,7 +45,11 @@ __all__ = [
     "VocabParallel",
     "apply_data_parallel",
     "apply_tensor_parallel",
+    "COMPOSITION_ORDER",
+    "Composed",
+    "composed_plan",
     "parallelize",
+    "parallelize_composed",
     "tensor_parallel_char_gpt",
 ]
 
@@ -178,3 +184,72 @@ def tensor_parallel_char_gpt(model: nn.Module, group=None) -> nn.Module:
     if model.config.dropout:
         raise ValueError(f"tensor parallelism here needs dropout=0.0, got {model.config.dropout}")
     return apply_tensor_parallel(copy.deepcopy(model), CHAR_GPT_PLAN, group)
+
+
+# --------------------------------------------------------------------------- five dimensions
+
+# The order in which chapter 13 applies the parallelisms; each step changes the model the next
+# one sees, so the order is not a matter of taste:
+COMPOSITION_ORDER = (
+    "tp",  # 1. tensor (+ sequence) parallelism: decides which slice of each weight exists here
+    "cp",  # 2. context parallelism: attention over the sequence spread across the CP group
+    "ep",  # 3. expert parallelism: which experts exist here (the rest are dropped)
+    "pp",  # 4. pipeline parallelism: which layers exist here (a stage of the shards above)
+    "dp",  # 5. data parallelism + ZeRO-1: which ranks hold the same parameters now, to average
+)
+
+
+def composed_plan(moe: bool = False) -> dict[str, Style]:
+    """The char-GPT's TP + SP plan; an MoE layer is not split by TP but runs on the sequence
+    block (its weights' gradients summed over the TP group), and expert parallelism splits it."""
+    from dmlbook.advanced.sequence_parallel import SEQUENCE_PARALLEL_PLAN, SequenceParallel
+
+    plan = dict(SEQUENCE_PARALLEL_PLAN)
+    if moe:
+        plan["blocks.*.mlp"] = SequenceParallel()
+    return plan
+
+
+@dataclass
+class Composed:
+    """What :func:`parallelize_composed` leaves on this rank."""
+
+    model: nn.Module  # the whole transformed model object (layers of other stages unused)
+    stage: nn.Module  # this rank's pipeline stage: the only layers it runs
+    dense: list = field(default_factory=list)  # parameters replicated over the dp x cp group
+    experts: list = field(default_factory=list)  # expert parameters (over the edp group)
+
+
+def parallelize_composed(model: nn.Module, groups, zigzag: bool = True) -> Composed:
+    """``model`` (an unmodified char-GPT, dense or MoE) parallelised on ``groups`` (a
+    :class:`~dmlbook.advanced.layout.ProcessGroups`) in :data:`COMPOSITION_ORDER`, in place.
+    A dimension of size 1 is skipped. Returns this rank's stage and its parameters, split into
+    those averaged over ``dp_cp`` and the experts averaged over ``edp``."""
+    from dmlbook.advanced.context_parallel_styles import ContextParallel
+    from dmlbook.advanced.expert_parallel import apply_expert_parallel
+    from dmlbook.advanced.moe import MoEFeedForward
+    from dmlbook.model_parallel.pipeline import even_partition, layers_of, split_model
+
+    layout = groups.layout
+    moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
+    for dim in COMPOSITION_ORDER:
+        if dim == "tp" and layout.tp > 1:
+            model = apply_tensor_parallel(model, composed_plan(moe), groups.tp)
+        elif dim == "cp" and layout.cp > 1:
+            cp = ContextParallel(zigzag)
+            model = apply_tensor_parallel(model, {"wpe": cp, "blocks.*.attn": cp}, groups.cp)
+        elif dim == "ep" and layout.ep > 1:
+            model = apply_expert_parallel(model, groups.ep)
+        elif dim == "pp":  # even with one stage: the stage is what the executor runs
+            layers = layers_of(model)
+            stage = split_model(layers, even_partition(len(layers), layout.pp))[groups.coords["pp"]]
+        elif dim == "dp":
+            expert_ids = set()
+            if layout.ep > 1:
+                for m in model.modules():
+                    if hasattr(m, "expert_range"):  # ExpertParallelMoE: its experts are its own
+                        expert_ids |= {id(p) for p in m.experts.parameters()}
+            params = list(stage.parameters())
+            dense = [p for p in params if id(p) not in expert_ids]
+            experts = [p for p in params if id(p) in expert_ids]
+    return Composed(model, stage, dense, experts)

@@ -6,4 +6,5 @@
   and naive all-reduce, and a ring with reduced-precision transfer (chapters 2 and 4)
 * ``costmodel``: the alpha-beta model of each algorithm and of a parameter server (2 and 4)
 * ``compression``: gradient compression as DDP communication hooks (chapter 4)
+* ``alltoall``: all-to-all from point-to-point messages, and its autograd form (chapter 13)
 """

@@ -1,0 +1,220 @@
+"""A 5-D layout of the ranks: data, tensor, pipeline, context and expert parallelism (chapter 13).
+
+Composing parallelisms starts with one question: which ranks talk to which? :class:`Layout` is
+the answer as a validated value, in the manner of torchtitan's ``ParallelDims``: the degrees
+``dp``, ``tp``, ``pp``, ``cp`` and ``ep``, checked once, with errors that name the dimension.
+
+The ranks form a grid of shape ``(pp, dp, cp, tp)``, the last dimension fastest (chapter 9's
+:func:`~dmlbook.advanced.mesh.mesh_groups`): tensor-parallel groups are neighbouring ranks, the
+GPUs of one machine on a real cluster, because TP talks in every layer; pipeline stages are the
+farthest apart, because they exchange only one activation per micro-batch.
+
+Expert parallelism does not add a dimension: it **borrows** the ``dp x cp`` ranks, which all hold
+the same dense weights (torchtitan does the same). Number those ranks ``i = dp_index * cp + cp_
+index``; the EP groups are ``ep`` consecutive ``i``, and the ranks with the same place in their
+EP group hold the same experts and average their gradients: the *expert data-parallel* group
+``edp``. So ``ep`` must divide ``dp * cp``.
+
+Every group a training step needs, from the rank grid:
+
+====== ============================================== =======================================
+group  ranks that differ only in                       used for
+====== ============================================== =======================================
+tp     the TP coordinate                               Megatron TP + SP collectives
+cp     the CP coordinate                               ring attention
+pp     the PP coordinate                               activations and gradients between stages
+dp     the DP coordinate                               (the batch split; shown in tables)
+dp_cp  DP and CP (same ``pp``, ``tp``)                 dense gradients, ZeRO-1 shards
+ep     the EP place inside ``dp_cp``                    all-to-all dispatch and combine
+edp    the EP group inside ``dp_cp``                    expert gradients, their ZeRO-1 shards
+====== ============================================== =======================================
+
+:meth:`Layout.group_ranks` is the pure table (testable without processes);
+:class:`ProcessGroups` creates the groups this rank belongs to. Each is created with
+``use_local_synchronization=True``, so only its members call ``dist.new_group``; every rank
+walks the names in the same order, so two ranks of a group always reach it, and a rank list
+that two names share (``dp_cp`` equals ``dp`` when ``cp == 1``) is one group, made once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch.distributed as dist
+
+from dmlbook.advanced.mesh import mesh_groups
+
+__all__ = ["GROUP_NAMES", "MESH_DIMS", "Layout", "ProcessGroups"]
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank grid, slowest to fastest
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")  # the order groups are created in
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ways each dimension splits the work; their product (without ``ep``, which
+    borrows the ``dp x cp`` ranks) is the world size."""
+
+    dp: int = 1  # data parallel: batch rows (ZeRO-1: optimizer state sharded over dp x cp)
+    tp: int = 1  # tensor parallel (+ sequence parallel between the TP regions)
+    pp: int = 1  # pipeline stages (1F1B)
+    cp: int = 1  # context parallel: the sequence (ring attention, zigzag chunks)
+    ep: int = 1  # expert parallel: the experts, over ep of the dp x cp ranks
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{f.name} must be an integer >= 1, got {value!r}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp x cp = {self.dp} x {self.cp} = {self.dp * self.cp}: "
+                "expert parallelism borrows the data- and context-parallel ranks"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The rank grid ``(pp, dp, cp, tp)``."""
+        return self.pp, self.dp, self.cp, self.tp
+
+    def __str__(self) -> str:
+        return " x ".join(f"{n}{getattr(self, n)}" for n in ("dp", "tp", "pp", "cp", "ep"))
+
+    def validate_world(self, world_size: int) -> None:
+        """A ValueError unless the degrees multiply to ``world_size``."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"layout {self} needs pp x dp x cp x tp = {self.pp} x {self.dp} x {self.cp} x "
+                f"{self.tp} = {self.world_size} ranks, but the world has {world_size}"
+            )
+
+    def validate_model(
+        self,
+        config,
+        seq_len: int,
+        batch: int,
+        microbatches: int = 1,
+        n_experts: int = 0,
+        zigzag: bool = True,
+    ) -> None:
+        """A ValueError naming the dimension when the model or the batch does not split by this
+        layout: heads, vocabulary and MLP width by ``tp``, the sequence by ``tp`` and ``cp`` (by
+        ``2 cp`` for the zigzag chunks), the experts by ``ep``, the layers by ``pp``, the batch
+        by ``dp`` and the micro-batches. ``config``: the char-GPT's
+        :class:`~dmlbook.models.GPTConfig`."""
+        problems = []
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                problems.append(what)
+
+        t, c = self.tp, self.cp
+        need(config.n_head % t == 0, f"tp: n_head={config.n_head} is not divisible by tp={t}")
+        need(config.vocab_size % t == 0, f"tp: vocab_size={config.vocab_size} is not divisible "
+             f"by tp={t} (pad it with tensor_parallel.padded_vocab_size)")  # fmt: skip
+        chunks = 2 * c if zigzag else c
+        need(
+            seq_len % chunks == 0,
+            f"cp: sequence length={seq_len} is not divisible by "
+            f"{'2 x ' if zigzag else ''}cp={chunks} (the {'zigzag ' if zigzag else ''}chunks)",
+        )
+        need(seq_len % (c * t) == 0 and (seq_len // c) % t == 0, f"tp: each context-parallel "
+             f"rank's sequence length={seq_len}/{c} is not divisible by tp={t} (sequence "
+             "parallelism splits it)")  # fmt: skip
+        need(seq_len <= config.block_size, f"cp: sequence length={seq_len} exceeds "
+             f"block_size={config.block_size}")  # fmt: skip
+        need(config.n_layer + 2 >= self.pp, f"pp: {config.n_layer} blocks + embedding + head "
+             f"= {config.n_layer + 2} layers cannot fill pp={self.pp} stages")  # fmt: skip
+        if n_experts:
+            need(n_experts % self.ep == 0, f"ep: n_experts={n_experts} is not divisible by "
+                 f"ep={self.ep}")  # fmt: skip
+        elif self.ep > 1:
+            problems.append(f"ep: ep={self.ep} needs a mixture-of-experts model (n_experts > 0)")
+        need(batch % self.dp == 0, f"dp: batch={batch} is not divisible by dp={self.dp}")
+        need(
+            batch % (self.dp * microbatches) == 0,
+            f"pp: each data-parallel rank's batch "
+            f"{batch}/{self.dp} is not divisible into microbatches={microbatches}",
+        )
+        if config.dropout:
+            problems.append(f"tp/cp: dropout={config.dropout}; composed training needs 0.0")
+        if problems:
+            raise ValueError(f"layout {self} does not fit: " + "; ".join(problems))
+
+    # ----------------------------------------------------------------------- ranks and places
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits: ``{"pp", "dp", "cp", "tp", "ep", "edp"}`` (``ep``: its place in
+        its EP group, which decides its experts; ``edp``: which EP group of ``dp_cp`` it is in)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not a rank of layout {self} ({self.world_size})")
+        rest, coords = rank, {}
+        for name, size in zip(reversed(MESH_DIMS), reversed(self.shape), strict=True):
+            rest, coords[name] = divmod(rest, size)
+        i = coords["dp"] * self.cp + coords["cp"]  # place among the dp x cp ranks
+        coords["edp"], coords["ep"] = divmod(i, self.ep)
+        return {n: coords[n] for n in (*MESH_DIMS, "ep", "edp")}
+
+    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at a place of the grid (row-major, ``tp`` fastest)."""
+        rank = 0
+        for name, value, size in zip(MESH_DIMS, (pp, dp, cp, tp), self.shape, strict=True):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}={value} is outside 0..{size - 1} in layout {self}")
+            rank = rank * size + value
+        return rank
+
+    def group_ranks(self) -> dict[str, list[list[int]]]:
+        """For every name of :data:`GROUP_NAMES`, every group's global ranks, in group-rank
+        order (a rank's index in its group is its coordinate along that dimension)."""
+        table = mesh_groups(self.shape, MESH_DIMS)
+        table["dp_cp"] = mesh_groups((self.pp, self.dp * self.cp, self.tp), ("pp", "x", "tp"))["x"]
+        split = (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+        by_ep = mesh_groups(split, ("pp", "edp", "ep", "tp"))
+        table["ep"], table["edp"] = by_ep["ep"], by_ep["edp"]
+        return {name: table[name] for name in GROUP_NAMES}
+
+    def groups_of(self, rank: int) -> dict[str, list[int]]:
+        """The ranks of each of ``rank``'s groups."""
+        return {n: next(g for g in gs if rank in g) for n, gs in self.group_ranks().items()}
+
+
+class ProcessGroups:
+    """This rank's process group along every name of :data:`GROUP_NAMES`, for ``layout``.
+
+    ``groups.tp`` is the TP group (a real group even of size 1, never ``None``, which torch
+    reads as the whole world); ``groups.coords`` the rank's place; ``groups.ranks["tp"]`` the
+    global ranks of its TP group. Call it on every rank. One process (no process group) gets
+    ``None`` groups and the layout must be all ones.
+
+    torch names a locally synchronised group after its ranks, so a rank list can be made only
+    once per process: to build the groups of several layouts in one process, pass the same
+    ``cache`` dict (rank tuple -> group) to each."""
+
+    def __init__(self, layout: Layout, cache: dict | None = None) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        layout.validate_world(world)
+        self.layout, self.rank = layout, rank
+        self.coords = layout.coordinates(rank)
+        self.ranks = layout.groups_of(rank)
+        made: dict[tuple[int, ...], object] = {} if cache is None else cache
+        for name in GROUP_NAMES:  # the same order on every rank
+            key = tuple(self.ranks[name])
+            if key not in made:
+                made[key] = (
+                    dist.new_group(list(key), use_local_synchronization=True)
+                    if (world > 1)
+                    else None
+                )
+            setattr(self, name, made[key])
+
+    def size(self, name: str) -> int:
+        return len(self.ranks[name])
+
+    def __repr__(self) -> str:
+        return f"ProcessGroups({self.layout}; rank {self.rank} at {self.coords})"

@@ -1,0 +1,243 @@
+"""dmlbook.advanced.sequence_parallel: at TP = 1-4 the char-GPT with tensor + sequence
+parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor parallelism:
+loss, every gradient and three Adam steps (float64 to 1e-10); each block's all-reduce becomes a
+reduce-scatter and an all-gather; the styles equal torch's DTensor SequenceParallel /
+ColwiseParallel(input_layouts=Shard(1)) / RowwiseParallel(output_layouts=Shard(1)); the bytes a
+block saves for backward, measured, equal the formula (TP: replicated + split / t; SP: all / t);
+a sequence length that does not divide raises ValueError naming it, on every rank, no hang."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmlbook.advanced import sequence_parallel as sp
+from dmlbook.advanced import tensor_parallel as tp
+from dmlbook.advanced.parallelize import apply_tensor_parallel, tensor_parallel_char_gpt
+from dmlbook.comm.groups import group_rank_size
+from dmlbook.launch import run
+from dmlbook.model_parallel.memory.spec import spec_of
+from dmlbook.models import char_gpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, C, HEADS, SEQ, BATCH, LAYERS = 24, 24, 12, 12, 3, 2  # all divide by 1, 2, 3 and 4
+TOL = 1e-10
+
+
+def reference_gpt(dtype=torch.float64):
+    return char_gpt(VOCAB, seed=0, n_layer=LAYERS, n_head=HEADS, n_embd=C, block_size=SEQ).to(dtype)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _checks() -> dict:
+    rank, world = group_rank_size()
+    out: dict = {}
+    model = reference_gpt()
+    tp_model, sp_model = tensor_parallel_char_gpt(model), sp.sequence_parallel_char_gpt(model)
+    out["same_parameters"] = list(dict(tp_model.named_parameters())) == list(
+        dict(sp_model.named_parameters())
+    )
+    # Loss and every gradient, and what each communicates.
+    idx, targets = _data(0)
+    with tp.counting() as tp_comms:
+        _, loss_tp = tp_model(idx, targets)
+        loss_tp.backward()
+    with tp.counting() as sp_comms:
+        _, loss_sp = sp_model(idx, targets)
+        loss_sp.backward()
+    grads = [
+        _err(p.grad, q.grad)
+        for p, q in zip(tp_model.parameters(), sp_model.parameters(), strict=True)
+    ]
+    out["forward_error"], out["grad_error"] = _err(loss_tp, loss_sp), max(grads)
+    out["comms"] = {
+        name: [(c.op, c.direction, c.nbytes) for c in comms if c.nbytes > 4 * 2 * C]
+        for name, comms in (("tp", tp_comms), ("sp", sp_comms))
+    }  # the activations' collectives, not the LayerNorm weights' gradients
+    # Three Adam steps from the same start.
+    tp_model, sp_model = tensor_parallel_char_gpt(model), sp.sequence_parallel_char_gpt(model)
+    losses = []
+    for m in (tp_model, sp_model):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        curve = []
+        for step in range(3):
+            opt.zero_grad()
+            _, loss = m(*_data(step))
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        losses.append(curve)
+    out["train_loss_error"] = max(abs(a - b) for a, b in zip(*losses, strict=True))
+    out["train_weight_error"] = max(
+        _err(p, q) for p, q in zip(tp_model.parameters(), sp_model.parameters(), strict=True)
+    )
+    # Activation memory of one block, measured, against the formula (float32).
+    model32 = reference_gpt(torch.float32)
+    x = torch.randn(BATCH, SEQ, C, generator=torch.Generator().manual_seed(3))
+    tp_block = tensor_parallel_char_gpt(model32).blocks[0]
+    sp_block = sp.sequence_parallel_char_gpt(model32).blocks[0]
+    mine = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+    out["memory"] = {
+        "tp": sp.measure_block_activations(tp_block, x.clone().requires_grad_()),
+        "sp": sp.measure_block_activations(sp_block, x[:, mine].clone().requires_grad_()),
+        "single": sp.measure_block_activations(model32.blocks[0], x.clone().requires_grad_()),
+    }
+    if world == 2:  # DTensor's import costs seconds per rank: checked at one size
+        out["dtensor_error"] = _against_dtensor()
+    # A sequence length that does not divide: the same error on every rank, then still in step.
+    try:
+        sp_model(idx[:, : SEQ - 1], targets[:, : SEQ - 1])
+        out["bad_length"] = "no error"
+    except ValueError as error:
+        out["bad_length"] = str(error)
+    check = torch.ones(1)
+    if world > 1:
+        dist.all_reduce(check)
+    out["after_errors"] = check.item()
+    return out
+
+
+def _block() -> nn.Sequential:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(C), nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
+    with torch.no_grad():  # LayerNorm's weights away from 1 and 0, so that their grads matter
+        block[0].weight.normal_()
+        block[0].bias.normal_()
+    return block.double()
+
+
+def _against_dtensor() -> float:
+    """Our styles and torch's on the same LayerNorm + MLP, the input a sequence block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    rank, world = group_rank_size()
+    ours = apply_tensor_parallel(
+        _block(),
+        {
+            "0": sp.SequenceParallel(),
+            "1": sp.ColwiseSequenceParallel(),
+            "3": sp.RowwiseSequenceParallel(),
+        },
+    )
+    theirs = parallelize_module(
+        _block(),
+        init_device_mesh("cpu", (world,)),
+        {
+            "0": SequenceParallel(),
+            "1": ColwiseParallel(input_layouts=Shard(1)),
+            "3": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SEQ, C, generator=g, dtype=torch.float64)
+    block = x[:, rank * SEQ // world : (rank + 1) * SEQ // world]
+    xo, xt = block.clone().requires_grad_(), block.clone().requires_grad_()
+    yo, yt = ours(xo), theirs(xt)
+    w = torch.randn(yo.shape, generator=g, dtype=torch.float64)
+    (yo * w).sum().backward()
+    (yt * w).sum().backward()
+    errors = [_err(yo, yt), _err(xo.grad, xt.grad)]
+    out_partial = []
+    for name, p in ours.named_parameters():
+        q = theirs.get_parameter(name)
+        # torch leaves the replicated LayerNorm weights' gradients Partial (each rank's share,
+        # summed when read whole); ours are summed in backward.
+        partial = q.grad.placements[0].is_partial()
+        errors += [
+            _err(p, q.to_local()),
+            _err(p.grad, (q.grad.full_tensor() if partial else q.grad.to_local())),
+        ]
+        out_partial.append(partial)
+    assert len(errors) == 2 + 2 * 6
+    assert out_partial == [True, True, False, False, False, False]  # LayerNorm, then linears
+    return max(errors)
+
+
+@functools.cache
+def results(world: int) -> list[dict]:
+    if world == 1:
+        return [_checks()]
+    return run(_checks, world, timeout=120)
+
+
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sequence_parallel_equals_tensor_parallel(world):
+    for r in results(world):
+        assert r["same_parameters"]
+        assert r["forward_error"] <= TOL and r["grad_error"] <= TOL, r
+        assert r["train_loss_error"] <= TOL and r["train_weight_error"] <= TOL, r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather(world):
+    comms = results(world)[0]["comms"]
+    block = BATCH * SEQ * C * 8  # one (B, T, C) float64 activation
+    tp_forward = [c for c in comms["tp"] if c[1] == "forward" and c[2] == block]
+    sp_forward = [c for c in comms["sp"] if c[1] == "forward" and c[2] in (block, block // world)]
+    # plain TP: the embedding's and each block's two all-reduces of the whole activation
+    assert [c[0] for c in tp_forward] == ["all_reduce"] * (1 + 2 * LAYERS)
+    # SP: the embedding's all-reduce, then per block half two all-gathers of a sequence block in
+    # and a reduce-scatter out, then lm_head's all-gather
+    per_half = [("all_gather", block // world), ("reduce_scatter", block)]
+    assert [(c[0], c[2]) for c in sp_forward] == [("all_reduce", block)] + per_half * (
+        2 * LAYERS
+    ) + [("all_gather", block // world)]
+
+
+def test_styles_equal_dtensor_sequence_parallel():
+    for r in results(2):
+        assert r["dtensor_error"] <= TOL
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_activation_memory_per_rank_equals_the_formula(world):
+    spec = spec_of(reference_gpt(torch.float32))
+    for r in results(world):
+        memory = r["memory"]
+        assert memory["single"] == sp.activation_bytes_per_rank(spec, BATCH, SEQ, 1, False)
+        assert memory["tp"] == sp.activation_bytes_per_rank(spec, BATCH, SEQ, world, False)
+        assert memory["sp"] == sp.activation_bytes_per_rank(spec, BATCH, SEQ, world, True)
+        assert memory["sp"] * world == memory["single"]  # everything divided by t
+        if world > 1:
+            assert memory["sp"] < memory["tp"] < memory["single"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sequence_length_that_does_not_divide_is_refused_on_every_rank(world):
+    for r in results(world):
+        message = r["bad_length"]
+        assert f"sequence length={SEQ - 1} is not divisible by the {world} ranks" in message
+        assert r["after_errors"] == world
+
+
+def test_dropout_is_refused_and_formula_checks_sizes():
+    with pytest.raises(ValueError, match="dropout=0.0"):
+        sp.sequence_parallel_char_gpt(char_gpt(VOCAB, seed=0, dropout=0.1))
+    spec = spec_of(reference_gpt())
+    with pytest.raises(ValueError, match="sequence length=7 is not divisible by tp_size=2"):
+        sp.activation_bytes_per_rank(spec, 2, 7, 2, True)
