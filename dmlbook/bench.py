@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import time
 
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 
 from dmlbook import data_parallel as dp
 from dmlbook.comm import collectives
-from dmlbook.launch import device, run, threads_per_rank
+from dmlbook.launch import device, free_port, run, threads_per_rank
 from dmlbook.models import char_gpt, mlp
 
 
@@ -70,12 +69,6 @@ def _torch_spawn_rank(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_launch(repeats: int = 5) -> None:
     """Wall time from the call to the results of one all-reduce on N new ranks: ranks forked
     from the warm helper (the default), ranks as fresh interpreters (``DMLBOOK_START=spawn``),
@@ -96,7 +89,7 @@ def bench_launch(repeats: int = 5) -> None:
             finally:
                 del os.environ["DMLBOOK_START"]
             start = time.perf_counter()
-            mp.spawn(_torch_spawn_rank, args=(world_size, _free_port()), nprocs=world_size)
+            mp.spawn(_torch_spawn_rank, args=(world_size, free_port()), nprocs=world_size)
             theirs.append(time.perf_counter() - start)
         _report(f"launch + all-reduce, {world_size} ranks, forked", forked, theirs)
         _report(f"launch + all-reduce, {world_size} ranks, spawned", spawned, theirs)

@@ -34,6 +34,8 @@ import datetime
 import math
 import os
 import pickle
+import random
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,7 @@ __all__ = [
     "run",
     "Ranks",  # noqa: F822 (imported on first use, by __getattr__ below)
     "device",
+    "free_port",
     "threads_per_rank",
     "RankError",
     "RankTimeoutError",
@@ -124,6 +127,36 @@ def run(
 
 
 # --------------------------------------------------------------------------- backend choice
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now, for an address several processes must agree on before
+    anyone listens (torchrun's ``--rdzv-endpoint``, ``MASTER_PORT``).
+
+    It is taken from *below* the kernel's ephemeral range. A port from that range (what binding to
+    port 0 gives) may be handed out again, a moment later, as the source port of any outgoing
+    connection on the machine, before the rendezvous host has bound it; chapter 3's two-agent
+    torchrun job failed that way once in a loaded ``make test`` here. Ports below the range are
+    never given out that way.
+    """
+    low = _ephemeral_range()[0]
+    candidates = random.Random().sample(range(max(1024, low - 10_000), low), 64)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # someone listens there (or did a moment ago)
+            return port
+    raise RuntimeError(f"no free TCP port below the ephemeral range (from {low}) on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):  # not Linux: IANA's range, which BSDs and Windows use
+        return 49152, 65535
 
 
 def _resolve_backend(backend: str, ranks_on_this_host: int) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+from dmlbook.launch import free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
 
@@ -47,19 +48,13 @@ CHROMIUM_FLAGS = [
 RUN_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def lab(tmp_path):
     """JupyterLab serving a folder that holds a copy of the chapter; yields (url, folder)."""
     root = tmp_path / "lab"
     root.mkdir()
     shutil.copy(CHAPTER, root / CHAPTER.name)
-    port, token = _free_port(), "dmlbook-browser-test"
+    port, token = free_port(), "dmlbook-browser-test"
     command = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser",
         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",

@@ -10,7 +10,6 @@ import atexit
 import functools
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -23,18 +22,12 @@ from dmlbook import models, netlab
 from dmlbook.advanced import elastic as el
 from dmlbook.data_parallel import accuracy, ps
 from dmlbook.datasets import load_digits
-from dmlbook.launch import run
+from dmlbook.launch import free_port, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KILL_STEP, EVERY = 25, 10
 SAMPLES = len(load_digits("train")[0])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @functools.cache

@@ -379,11 +379,7 @@ def test_nccl_without_gpus_is_refused():
 
 
 def test_in_place_when_environment_defines_the_ranks(monkeypatch):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launch.free_port()
     for key, value in dict(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     ).items():
@@ -517,3 +513,18 @@ def test_spawned_ranks_behave_the_same(monkeypatch, tmp_path):
     monkeypatch.setenv("DMLBOOK_START", "vfork")
     with pytest.raises(ValueError, match="DMLBOOK_START"):
         run(report, 1, 0)
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
+    import socket
+
+    low = launch._ephemeral_range()[0]
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1  # random, not one fixed port
+    port = ports.pop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        # the first candidate is the port someone listens on: it is skipped, the next is given
+        monkeypatch.setattr(launch.random.Random, "sample", lambda self, r, k: [port, port - 1])
+        assert launch.free_port() == port - 1

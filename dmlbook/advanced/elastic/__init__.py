@@ -43,7 +43,6 @@ from dmlbook.advanced.elastic.agents import (
     SCRIPT,
     AgentRun,
     alive,
-    free_port,
     run_agents,
     samples_trained,
     torchrun_command,
@@ -64,6 +63,7 @@ from dmlbook.advanced.elastic.training import (
     train_reference,
     train_worker,
 )
+from dmlbook.launch import free_port  # chapter 11 calls el.free_port
 
 __all__ = [
     "SCRIPT",

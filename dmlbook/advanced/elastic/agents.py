@@ -24,15 +24,6 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 QUICK_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=3"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now: for a rendezvous endpoint on this machine."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(
     run_dir: str | os.PathLike,
     *script_args: str,
