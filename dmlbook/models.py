@@ -275,3 +275,17 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of ``x`` that ``model`` classifies as ``y`` (every chapter that trains one)."""
     correct, total = count_correct(model, x, y)
     return correct / total
+
+
+def train_on_batches(model: nn.Module, batches, optimizer: torch.optim.Optimizer) -> list[float]:
+    """One process, one optimizer step per ``(idx, targets)`` batch of a model that returns
+    ``(logits, loss)`` (:class:`CharGPT`): the reference the char-GPT's parallel runs equal
+    (chapters 9 and 13). Returns the loss of every step."""
+    losses = []
+    for idx, targets in batches:
+        optimizer.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

@@ -46,6 +46,7 @@ from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
 from dmlbook.data_parallel import average_gradients
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
+from dmlbook.models import train_on_batches
 
 __all__ = [
     "ComposedResult",
@@ -101,14 +102,7 @@ def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int], zigzag: boo
 def train_reference(make_model: Callable[[], nn.Module], batches: Sequence[Batch], lr=1e-2):
     """One process, the whole batch, AdamW: the losses and the final state dict."""
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for idx, targets in batches:
-        optimizer.zero_grad()
-        _, loss = model(idx, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_on_batches(model, batches, torch.optim.AdamW(model.parameters(), lr=lr))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.advanced.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
-from dmlbook.models import CharGPT
+from dmlbook.models import CharGPT, train_on_batches
 
 __all__ = [
     "DeviceMesh",
@@ -150,15 +150,8 @@ def train_reference(
 ) -> TrainResult:
     """Single-process training: Adam on each whole batch, the run :func:`train_hybrid` equals."""
     model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for idx, targets in batches:
-        optimizer.zero_grad()
-        _, loss = model(idx, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return TrainResult(losses, model)
+    return TrainResult(train_on_batches(model, batches, torch.optim.Adam(model.parameters(), lr)),
+                       model)  # fmt: skip
 
 
 def train_hybrid(
