@@ -6,15 +6,13 @@ rank, and stay in step (no hang)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from rank_checks import by_world, caught
 
 from dmlbook.comm import alltoall, collectives
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.launch import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,14 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _splits(src: int, world: int) -> list[int]:
     """How many rows rank ``src`` sends to each rank: uneven, some empty (a closed form)."""
     return [(src + 2 * dst) % 3 for dst in range(world)]
-
-
-def _caught(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def _checks() -> dict:
@@ -78,21 +68,17 @@ def _checks() -> dict:
             bad_in[1] += 1  # rank 0 sends one more row to rank 1 than rank 1 expects
         xb = torch.zeros(sum(bad_in), 2, 4, dtype=torch.float64)
         yb = torch.zeros(sum(out_splits), 2, 4, dtype=torch.float64)
-        out["bad_sizes"] = _caught(lambda: alltoall.all_to_all_single(yb, xb, out_splits, bad_in))
+        out["bad_sizes"] = caught(lambda: alltoall.all_to_all_single(yb, xb, out_splits, bad_in))
         width = 5 if rank == world - 1 else 4  # the last rank's rows are wider
         xw, yw = torch.zeros(world, width), torch.zeros(world, width)
-        out["bad_rows"] = _caught(lambda: alltoall.all_to_all_single(yw, xw))
+        out["bad_rows"] = caught(lambda: alltoall.all_to_all_single(yw, xw))
         check = torch.ones(1)
         dist.all_reduce(check)
         out["after_errors"] = check.item()
     return out
 
 
-@functools.cache
-def results(world: int) -> list[dict]:
-    if world == 1:
-        return [_checks()]
-    return run(_checks, world, timeout=60)
+results = by_world(_checks, timeout=60)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

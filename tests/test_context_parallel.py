@@ -8,16 +8,14 @@ rank, and the ranks stay in step."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from rank_checks import by_world, caught
 from torch.nn import functional as F
 
 from dmlbook.advanced import context_parallel as cp
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.launch import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,14 +32,6 @@ VARIANTS = {"ring": cp.ring_attention, "all_gather": cp.all_gather_attention}
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item() if a.numel() else 0.0
-
-
-def _caught(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def _checks() -> dict:
@@ -69,11 +59,11 @@ def _checks() -> dict:
     # Errors, raised on every rank alike.
     shape = (B, H, 4, D + (rank == world - 1))  # the last rank's head dim is one larger
     q = torch.zeros(shape, dtype=torch.float64)
-    out["bad_head_dim"] = _caught(
+    out["bad_head_dim"] = caught(
         lambda: cp.ring_attention(q, q, q, cp.contiguous_layout(4 * world, world))
     )
     q = torch.zeros(B, H, 3 + (rank == 0), D)  # rank 0 holds one position more than its block
-    out["bad_positions"] = _caught(
+    out["bad_positions"] = caught(
         lambda: cp.all_gather_attention(q, q, q, cp.contiguous_layout(3 * world, world))
     )
     check = torch.ones(1)
@@ -83,11 +73,7 @@ def _checks() -> dict:
     return out
 
 
-@functools.cache
-def results(world: int) -> list[dict]:
-    if world == 1:
-        return [_checks()]
-    return run(_checks, world, timeout=90)
+results = by_world(_checks, timeout=90)
 
 
 WORLDS = [1, 2, 3, 4]

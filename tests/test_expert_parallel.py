@@ -7,11 +7,10 @@ every rank, with no hang; tokens per expert plot."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from rank_checks import by_world, caught
 
 from dmlbook import viz
 from dmlbook.advanced import expert_parallel as ep
@@ -44,14 +43,6 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _err(a, b) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item() if a.numel() else 0.0
-
-
-def _caught(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def _checks() -> dict:
@@ -101,9 +92,9 @@ def _checks() -> dict:
     if world > 1:
         bad = make_moe()
         bad.experts = bad.experts[: world + 1]  # never divisible by world >= 2
-        out["bad_experts"] = _caught(lambda: ep.ExpertParallelMoE.from_moe(bad))
+        out["bad_experts"] = caught(lambda: ep.ExpertParallelMoE.from_moe(bad))
         x = torch.zeros(2, 3, C + (rank == world - 1), dtype=torch.float64)
-        out["bad_width"] = _caught(lambda: layer(x))
+        out["bad_width"] = caught(lambda: layer(x))
         check = torch.ones(1)
         dist.all_reduce(check)
         out["after_errors"] = check.item()
@@ -151,11 +142,7 @@ def _char_gpt(rank: int, world: int) -> float:
     return worst
 
 
-@functools.cache
-def results(world: int) -> list[dict]:
-    if world == 1:
-        return [_checks()]
-    return run(_checks, world, timeout=90)
+results = by_world(_checks, timeout=90)
 
 
 WORLDS = [1, 2, 3, 4]

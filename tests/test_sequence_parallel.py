@@ -8,18 +8,16 @@ a sequence length that does not divide raises ValueError naming it, on every ran
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
+from rank_checks import by_world
 from torch import nn
 
 from dmlbook.advanced import sequence_parallel as sp
 from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.advanced.parallelize import apply_tensor_parallel, tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.launch import run
 from dmlbook.model_parallel.memory.spec import spec_of
 from dmlbook.models import char_gpt
 
@@ -175,11 +173,7 @@ def _against_dtensor() -> float:
     return max(errors)
 
 
-@functools.cache
-def results(world: int) -> list[dict]:
-    if world == 1:
-        return [_checks()]
-    return run(_checks, world, timeout=120)
+results = by_world(_checks, timeout=120)
 
 
 WORLDS = [1, 2, 3, 4]
