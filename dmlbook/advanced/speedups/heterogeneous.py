@@ -78,7 +78,8 @@ class _Throttle(Callback):
     busy until ``slowdown`` times the step's compute time has passed. Spinning, unlike sleeping,
     holds the core, so other work on the machine cannot use the gap (and a sleeper is not woken
     ahead of busy processes); unlike repeating the computation, it is not sped up by warm
-    caches. It also times each whole step."""
+    caches. It also times each whole step. Its hooks read nothing of the loop's state, so the
+    speed probe calls them around its own backward passes."""
 
     def __init__(self, slowdown: float) -> None:
         self.slowdown, self.step_s, self.start = slowdown, [], 0.0
@@ -117,10 +118,14 @@ def _probe_speeds(job: Job, model: nn.Module, x, y, slowdown: float, probe_steps
     passes (after a warm-up), then all-gathered."""
     rank, world = group_rank_size(group)
     batch = max(1, job.global_batch // world)
-    probe = [Batch(0, 0, range(batch))] * (probe_steps + 1)
+    xb, yb = x[:batch], y[:batch]
     throttle = _Throttle(slowdown)
-    no_step = torch.optim.SGD(model.parameters(), lr=0.0)  # the probe must not train
-    train_loop(model, no_step, x, y, probe, sync=_NoSync(), callbacks=[throttle], group=group)
+    for _ in range(probe_steps + 1):  # forward and backward only: the probe must not train
+        throttle.on_step_start(None)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xb), yb).backward()
+        throttle.after_backward(None)
+        throttle.on_step(None)
     median_s = sorted(throttle.step_s[1:])[probe_steps // 2]  # the first was a warm-up
     mine = torch.tensor([batch / median_s], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
@@ -129,15 +134,6 @@ def _probe_speeds(job: Job, model: nn.Module, x, y, slowdown: float, probe_steps
     else:
         every = [mine]
     return [t.item() for t in every]
-
-
-class _NoSync:
-    """No synchronisation: each rank on its own (the speed probe)."""
-
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-    after_step = finish = after_backward
 
 
 def train_heterogeneous(
