@@ -1,12 +1,14 @@
 """Student copies and grading (:mod:`dmlbook.classroom`).
 
-The student copy of every chapter is written and run; each exercise must come out "not attempted"
-and nothing else may fail. The solution notebooks must grade 100%, and a planted wrong answer
-must grade as failed, with the checker's message.
+The student copy of every chapter is written, and its exercises run; each must come out "not
+attempted" and nothing else may fail. The solution notebooks must grade 100%, and a planted wrong
+answer must grade as failed, with the checker's message.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import json
 import re
 from pathlib import Path
@@ -91,7 +93,7 @@ def test_student_copies_are_never_written_over_the_solutions(tmp_path):
 
 def _exercise_cells(notebook) -> list:
     """The exercise section of a notebook: from its first answer cell to the end."""
-    first = next(i for i, c in enumerate(notebook.cells) if c.get("metadata", {}).get("nbgrader"))
+    first = next(i for i, c in enumerate(notebook.cells) if _nbgrader(c))
     return notebook.cells[first:]
 
 
@@ -108,35 +110,92 @@ def _plant_wrong_answer(cell):
     return cell
 
 
-# A whole chapter and its exercises run here: up to ~2 minutes on a quiet 2-core machine (chapter
-# 4) and 2-5x that on a loaded one (`pytest --busy 2`). The limit only has to catch a hang.
-@pytest.mark.timeout(600)
+def _names(cells) -> tuple[set[str], set[str]]:
+    """The names ``cells`` bind (assignments, definitions, imports, arguments) and those they
+    read, from their Python as IPython runs it (magics included)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    bound: set[str] = set()
+    read: set[str] = set()
+    for cell in cells:
+        if cell.cell_type != "code":
+            continue
+        for node in ast.walk(ast.parse(TransformerManager().transform_cell(cell.source))):
+            if isinstance(node, ast.Name):
+                (bound if isinstance(node.ctx, ast.Store | ast.Del) else read).add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+    return bound, read
+
+
+def _first_code_cell(notebook):
+    return next(c for c in notebook.cells if c.cell_type == "code")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_student_copy_runs_not_attempted_then_solutions_pass_and_a_wrong_answer_fails(
+def test_the_exercises_come_last_and_need_only_the_first_code_cell(path):
+    """What lets the test below run a student copy's first code cell and its exercises, not the
+    whole chapter: no cell of the chapter's body can use an answer (the exercises come after it,
+    and the copies differ only in the answer cells), and the exercises read no name but their own
+    and the first cell's imports. nbval runs the body, the same in both copies, from the top."""
+    notebook = nbformat.read(path, as_version=4)
+    exercises = _exercise_cells(notebook)
+    assert all(
+        _nbgrader(c) == {} for c in notebook.cells[: len(notebook.cells) - len(exercises)]
+    ), "every nbgrader cell belongs to the exercise section at the end"
+    bound, read = _names(exercises)
+    imports, _ = _names([_first_code_cell(notebook)])
+    missing = sorted(read - bound - imports - set(dir(builtins)))
+    assert missing == [], (
+        f"the exercises of {path.name} read {missing} from the chapter's body: bind them in the "
+        "first code cell or in the exercise section, so that the student copy's test holds"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_cell_finds_files_relative_to_its_notebook(path):
+    """Student copies are run from another folder (``make student``, a grader's copy): data and
+    scripts are found through the package (``dmlbook.datasets.EXAMPLES_DIR``), never ``../``."""
+    for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if cell.cell_type == "code":
+            found = re.findall(r"""["'](\.\.?/[^"']*)["']""", cell.source)
+            assert found == [], f"{path.name} cell {index} names {found} relative to its folder"
+
+
+def _nbgrader(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_fails(
     path, tmp_path
 ):
-    """In one kernel, as a learner would: run the student copy top to bottom (every exercise
-    "not attempted", nothing else failing); then the solutions' exercise cells (all "passed");
-    then a planted wrong answer to exercise 1 (graded "failed", with the checker's message).
+    """In one kernel, in the student copy's folder, as a learner would: the student copy's first
+    code cell and exercises (every exercise "not attempted", nothing else failing); then the
+    solutions' exercise cells (all "passed"); then a planted wrong answer to exercise 1 (graded
+    "failed", with the checker's message).
 
-    The solutions run after the student copy rather than in a kernel of their own: the two
-    notebooks differ only in the exercise cells (test_student_copies_keep_everything_...), and
-    nbval runs the solution notebook from the top, where its hidden tests assert "passed" too.
+    The chapter's body is not run again here: the test above shows the exercises need nothing
+    of it but the first cell, and nbval runs it (and the solutions' hidden tests) from the top.
     """
     student_path = classroom.write_student_copies(path, tmp_path)[0]
     student = nbformat.read(student_path, as_version=4)
     solution = nbformat.read(path, as_version=4)
-    answers = [
-        c for c in solution.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")
-    ]
+    answers = [c for c in solution.cells if _nbgrader(c).get("solution")]
+    blank_cells = [_first_code_cell(student), *_exercise_cells(student)]
     with classroom.GradingKernel(tmp_path) as kernel:
-        blank = kernel.run(student, path.name)
+        blank = kernel.run(nbformat.v4.new_notebook(cells=blank_cells), path.name)
         solved = kernel.run(nbformat.v4.new_notebook(cells=_exercise_cells(solution)), path.name)
         planted_cells = [_plant_wrong_answer(nbformat.from_dict(answers[0]))]
         planted_cells.append(solution.cells[solution.cells.index(answers[0]) + 1])
         planted = kernel.run(nbformat.v4.new_notebook(cells=planted_cells), path.name)
 
-    assert blank.errors == [], "the student copy must run top to bottom"
+    assert blank.errors == [], "the student copy's cells must run"
     assert len(blank.exercises) == len(answers) >= 2
     assert [e.status for e in blank.exercises] == ["not attempted"] * len(answers)
     assert all("not attempted" in e.message for e in blank.exercises)
