@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from dmlbook.bench import parse_size, time_all_reduces
+from dmlbook.bench.allreduce import parse_size, time_all_reduces
 from dmlbook.comm import collectives
 from dmlbook.launch import run
 

@@ -405,10 +405,10 @@ def test_a_rank_that_raises_mid_step_is_a_rank_error():
 def test_bench_pipeline_writes_the_promised_records(tmp_path):
     import json
 
-    from dmlbook import bench
+    from dmlbook.bench.pipeline import bench_pipeline
 
     path = tmp_path / "pipeline.json"
-    bench.bench_pipeline(
+    bench_pipeline(
         microbatches=(2,), steps=1, warmup=0, width=16, depth=4, batch=8, json_path=str(path)
     )
     records = json.loads(path.read_text())

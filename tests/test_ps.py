@@ -2,7 +2,9 @@
 staleness converge and respect their bound; shards balance; bytes are counted exactly; a dead
 worker ends the run with a clear error and leaves the server with whole updates only."""
 
+import dataclasses
 import functools
+import math
 import os
 import random
 import time
@@ -201,9 +203,9 @@ def digits_runs(straggler_delay):
     delay = [straggler_delay] + [0.0] * (workers - 1)
     common = dict(servers=1, global_batch=48, lr=0.5, epochs=2, delay=delay)
     return {
-        "async": ps.train(mlp, x, y, mode="async", **common),
-        "ssp2": ps.train(mlp, x, y, mode="ssp", staleness=2, **common),
-        "ssp0": ps.train(mlp, x, y, mode="ssp", staleness=0, **common),
+        "async": ps.train(mlp, x, y, consistency=ps.Asynchronous(), **common),
+        "ssp2": ps.train(mlp, x, y, consistency=ps.BoundedStaleness(2), **common),
+        "ssp0": ps.train(mlp, x, y, consistency=ps.BoundedStaleness(0), **common),
     }
 
 
@@ -276,9 +278,8 @@ def bad_arguments():
         "no workers": dict(servers=3),
         "indivisible batch": dict(servers=1, global_batch=3),  # 2 workers
         "too large batch": dict(servers=1, global_batch=1000),
-        "bad mode": dict(servers=1, mode="hogwild"),
-        "staleness without ssp": dict(servers=1, mode="sync", staleness=2),
-        "negative staleness": dict(servers=1, mode="ssp", staleness=-1),
+        "a string for consistency": dict(servers=1, consistency="ssp"),
+        "a class for consistency": dict(servers=1, consistency=ps.BoundedStaleness),
         "bad delay": dict(servers=1, delay=[0.1]),
         "bad lr": dict(servers=1, lr=float("nan")),
         "empty server": dict(servers=2, sharding="tensor", model_fn=one_tensor),
@@ -286,15 +287,15 @@ def bad_arguments():
         "round without workers": dict(servers=1, epochs=1, members=[[1], []]),
         "a server in a round": dict(servers=1, epochs=1, members=[[0, 2]]),
         "a worker twice": dict(servers=1, epochs=1, members=[[2, 2]]),
-        "members async": dict(servers=1, mode="async", members=[[1]]),
+        "members async": dict(servers=1, epochs=1, consistency=ps.Asynchronous(), members=[[1]]),
     }
     messages = {}
     for name, kwargs in cases.items():
         args = {**SETTINGS, "model_fn": _model, **kwargs}
         try:
             ps.train(x=x, y=y, **args)
-        except ValueError as e:
-            messages[name] = str(e)
+        except (TypeError, ValueError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
     return messages
 
 
@@ -303,26 +304,47 @@ def test_bad_arguments_are_clear_errors_on_every_rank():
     per_rank = [r["bad"] for r in _launch(3)]
     assert per_rank[0] == per_rank[1] == per_rank[2]  # every rank refuses alike: nobody waits
     expected = {
-        "no servers": "servers must be",
-        "no workers": "no workers",
-        "indivisible batch": "multiple of the 2 workers",
-        "too large batch": "larger than",
-        "bad mode": "mode must be",
-        "staleness without ssp": "needs mode='ssp'",
-        "negative staleness": "staleness must be",
-        "bad delay": "delay needs 2",
-        "bad lr": "lr must be",
-        "empty server": "leave a server empty",
-        "buffers": "serves parameters only",
-        "round without workers": "round 1 has no worker",
-        "a server in a round": "round 0 lists workers [0, 2]: each must appear once and be a "
-        "worker rank in 1..2 (ranks 0..0 serve)",
-        "a worker twice": "round 0 lists workers [2, 2]",
-        "members async": "members needs mode='sync'",
+        "no servers": "ValueError: servers must be",
+        "no workers": "ValueError: no workers",
+        "indivisible batch": "ValueError: global_batch=3 must be a positive multiple of the 2",
+        "too large batch": "ValueError: global_batch=1000 is larger than",
+        "a string for consistency": "TypeError: consistency must be one of Synchronous(), "
+        "BoundedStaleness(k) with k >= 0, or Asynchronous() (from dmlbook.data_parallel.ps), "
+        "got 'ssp'",
+        "a class for consistency": "got the class BoundedStaleness; create one: "
+        "BoundedStaleness(k)",
+        "bad delay": "ValueError: delay needs 2",
+        "bad lr": "ValueError: lr must be",
+        "empty server": "ValueError: the 36 parameters leave a server empty",
+        "buffers": "ValueError: ps.train serves parameters only",
+        "round without workers": "ValueError: round 1 has no worker",
+        "a server in a round": "ValueError: round 0 lists workers [0, 2]: each must appear once "
+        "and be a worker rank in 1..2 (ranks 0..0 serve)",
+        "a worker twice": "ValueError: round 0 lists workers [2, 2]",
+        "members async": "ValueError: members needs consistency=Synchronous() and no epochs "
+        "(got Asynchronous(), epochs=1)",
     }
     assert per_rank[0].keys() == expected.keys()
     for name, text in expected.items():
         assert text in per_rank[0][name], (name, per_rank[0][name])
+
+
+def test_consistency_objects_know_their_bound_and_check_it():
+    """The three consistency models: the bound the server enforces, and when it applies."""
+    kinds = [ps.Synchronous(), ps.BoundedStaleness(3), ps.BoundedStaleness(0), ps.Asynchronous()]
+    assert [c.bound for c in kinds] == [0, 3, 0, math.inf]
+    assert [c.on_arrival for c in kinds] == [False, True, True, True]
+    assert ps.BoundedStaleness(2) == ps.BoundedStaleness(bound=2) != ps.BoundedStaleness(3)
+    assert ps.BoundedStaleness(0) != ps.Synchronous()  # same bound, applied differently
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ps.BoundedStaleness(2).bound = 5
+    for bad in (-1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match=r"BoundedStaleness\(k\) needs a whole number of "):
+            ps.BoundedStaleness(bad)
+    with pytest.raises(ValueError, match=r"k >= 0, got -1$"):
+        ps.BoundedStaleness(-1)
+    with pytest.raises(TypeError):  # k is required: no silent default
+        ps.BoundedStaleness()
 
 
 def test_train_needs_a_process_group():

@@ -19,22 +19,25 @@ holds at most ``total / servers + largest tensor``, so one big layer can still m
 
 **Consistency.** A worker's *clock* is how many gradients it has pushed. A server answers a pull
 for clock ``c`` only when ``c - slowest <= bound``, where ``slowest`` is the lowest clock of any
-worker:
+worker. ``train`` takes the consistency model as an object (``consistency=``, from
+:mod:`~dmlbook.data_parallel.ps.consistency`) that knows its ``bound`` and whether the server
+applies each gradient ``on_arrival``:
 
-* ``mode="sync"`` (bulk-synchronous): bound 0, and the server applies the *average* of the W
-  gradients of a step at once. This is synchronous SGD on the global batch: it equals
-  single-process SGD and torch's DDP (asserted in tests/test_ps.py);
-* ``mode="ssp"`` (stale synchronous parallel, bounded staleness): bound ``staleness`` = k. A worker
-  at clock c may not run ahead of the slowest worker by more than k; each gradient is applied as
-  it arrives. k = 0 is a barrier per step, yet a worker may already see some of the current step's
-  gradients of faster workers;
-* ``mode="async"``: no bound, every gradient is applied on arrival, whatever its age.
+* ``Synchronous()`` (bulk-synchronous, the default): bound 0, and the server applies the W
+  gradients of a step together, once all have arrived. This is synchronous SGD on the global
+  batch: it equals single-process SGD and torch's DDP (asserted in tests/test_ps.py);
+* ``BoundedStaleness(k)`` (stale synchronous parallel): bound k. A worker at clock c may not run
+  ahead of the slowest worker by more than k; each gradient is applied as it arrives.
+  ``BoundedStaleness(0)`` is a barrier per step, yet a worker may already see some of the current
+  step's gradients of faster workers;
+* ``Asynchronous()``: no bound (``math.inf``), every gradient is applied on arrival, whatever its
+  age.
 
 Each worker's loss is its samples' share of the global batch's mean (summed loss / global batch),
-so the server *adds* the gradients of a synchronous step, and in ssp and async applies each one
-as it comes: W pushes move the model as far as one synchronous step, and the modes differ in
-staleness, not in step size. Each server records, for every gradient, how many updates it
-applied between the worker's pull and that push.
+so the server *adds* the gradients of a synchronous step (which makes their mean over the global
+batch), and otherwise applies each one as it comes: W pushes move the model as far as one
+synchronous step, and the three differ in staleness, not in step size. Each server records, for
+every gradient, how many updates it applied between the worker's pull and that push.
 
 **Workers that join and leave** (chapter 11). With ``members``, step ``r`` is a *round* whose
 global batch (the next ``global_batch`` samples of the epoch's order) is split among the workers
@@ -69,6 +72,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dmlbook.data_parallel.ps.consistency import (
+    Asynchronous,
+    BoundedStaleness,
+    Consistency,
+    Synchronous,
+    _check_consistency,
+)
 from dmlbook.data_parallel.ps.messages import Traffic
 from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost, WorkerResult, global_losses
 from dmlbook.data_parallel.ps.server import _serve
@@ -82,6 +92,10 @@ from dmlbook.data_parallel.ps.sharding import (
 from dmlbook.data_parallel.ps.worker import _plan, _work
 
 __all__ = [
+    "Synchronous",
+    "BoundedStaleness",
+    "Asynchronous",
+    "Consistency",
     "assign_shards",
     "shard_ranges",
     "bytes_per_step",
@@ -94,8 +108,6 @@ __all__ = [
     "global_losses",
 ]
 
-MODES = ("sync", "ssp", "async")
-
 
 def train(
     model_fn: Callable[[], nn.Module],
@@ -106,8 +118,7 @@ def train(
     global_batch: int,
     lr: float,
     epochs: int = 1,
-    mode: str = "sync",
-    staleness: int = 0,
+    consistency: Consistency = Synchronous(),  # noqa: B008 (frozen: one shared default is safe)
     seed: int = 0,
     sharding: str = "flat",
     delay: Sequence[float] | None = None,
@@ -118,10 +129,11 @@ def train(
 
     ``model_fn`` must build the same weights on every rank (the ``dmlbook.models`` factories take
     a seed). Workers split each epoch as :func:`~dmlbook.datasets.shard_indices` does, so
-    ``mode="sync"`` equals single-process SGD with batch ``global_batch``. ``delay`` gives each
+    ``consistency=Synchronous()`` equals single-process SGD with batch ``global_batch``;
+    ``BoundedStaleness(k)`` and ``Asynchronous()`` let workers run ahead. ``delay`` gives each
     worker extra seconds per step, to play a straggler. ``members[r]`` lists the worker ranks of
-    step ``r`` (chapter 11's workers that join and leave; sync only), instead of ``epochs``.
-    Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
+    step ``r`` (chapter 11's workers that join and leave; synchronous only), instead of
+    ``epochs``. Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
     :func:`assemble_model` puts the model back together.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -132,10 +144,10 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_fn()
     sizes = [p.numel() for p in model.parameters()]
-    _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay)
+    _check(model, x, y, servers, world, global_batch, lr, epochs, consistency, sharding, delay)
     workers = world - servers
     if members is not None:
-        _check_members(members, servers, workers, mode, epochs)
+        _check_members(members, servers, workers, consistency, epochs)
     elif global_batch % workers:
         raise ValueError(
             f"global_batch={global_batch} must be a positive multiple of the {workers} workers"
@@ -147,16 +159,18 @@ def train(
     comm = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     cfg = dict(servers=servers, workers=workers, ranges=ranges, comm=comm)
     if rank < servers:
-        bound = {"sync": 0, "ssp": staleness, "async": math.inf}[mode]
-        return _serve(model, rank, lr, mode, bound, members, **cfg)
+        return _serve(model, rank, lr, consistency, members, **cfg)
     plan = _plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
     return _work(model, rank, x, y, plan, global_batch, delay, loss_fn, **cfg)
 
 
-def _check_members(members, servers: int, workers: int, mode: str, epochs: int) -> None:
+def _check_members(members, servers: int, workers: int, consistency, epochs: int) -> None:
     """Every step needs a worker, each listed once, and the rounds fix the steps."""
-    if mode != "sync" or epochs != 1:
-        raise ValueError(f"members needs mode='sync' and no epochs (got {mode!r}, {epochs})")
+    if not isinstance(consistency, Synchronous) or epochs != 1:
+        raise ValueError(
+            f"members needs consistency=Synchronous() and no epochs "
+            f"(got {consistency!r}, epochs={epochs})"
+        )
     if not members:
         raise ValueError("members needs at least one round")
     for r, ids in enumerate(members):
@@ -169,7 +183,7 @@ def _check_members(members, servers: int, workers: int, mode: str, epochs: int) 
             )
 
 
-def _check(model, x, y, servers, world, global_batch, lr, epochs, mode, staleness, sharding, delay):
+def _check(model, x, y, servers, world, global_batch, lr, epochs, consistency, sharding, delay):
     """Reject bad arguments on every rank alike, before any message: an error, never a hang."""
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
         raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
@@ -179,12 +193,7 @@ def _check(model, x, y, servers, world, global_batch, lr, epochs, mode, stalenes
             f"no workers: world size {world} with servers={servers}; "
             f"launch servers + workers ranks (ranks {servers}.. are the workers)"
         )
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(staleness, int) or staleness < 0:
-        raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
-    if staleness and mode != "ssp":
-        raise ValueError(f"staleness={staleness} needs mode='ssp' (mode is {mode!r})")
+    _check_consistency(consistency)
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if global_batch < 1:

@@ -17,7 +17,7 @@ class ServerResult:
     rank: int
     ranges: list[tuple[int, int]]  # the slices of the flat parameter vector it holds
     shard: torch.Tensor  # their values, concatenated
-    updates: int  # how many updates it applied (steps in sync mode, gradients otherwise)
+    updates: int  # updates applied: steps if Synchronous(), else gradients
     staleness: list[int]  # per gradient: updates applied between its pull and its push
     clock_gap: list[int]  # per pull answered: how far that worker was ahead of the slowest
     traffic: Traffic

@@ -1,4 +1,4 @@
-"""A parameter server: one shard, gradients applied as the consistency mode allows (chapter 2).
+"""A parameter server: one shard, gradients applied as its consistency model says (chapter 2).
 
 One listening thread per worker hands each request to the update loop only once it is whole, so a
 worker that dies is noticed at once (:class:`~dmlbook.data_parallel.ps.WorkerLost`)."""
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
+from dmlbook.data_parallel.ps.consistency import Consistency
 from dmlbook.data_parallel.ps.messages import (
     DONE,
     GRADIENT,
@@ -47,7 +48,9 @@ def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, co
         events.put((worker, torch.tensor([LOST, -1, -1]), e))
 
 
-def _serve(model, rank, lr, mode, bound, members, *, servers, workers, ranges, comm):
+def _serve(
+    model, rank, lr, consistency: Consistency, members, *, servers, workers, ranges, comm
+) -> ServerResult:
     """Hold one shard, apply pushed gradients, answer pulls when the staleness bound allows."""
     start, traffic = time.perf_counter(), Traffic()
     mine = ranges[rank]
@@ -59,7 +62,7 @@ def _serve(model, rank, lr, mode, bound, members, *, servers, workers, ranges, c
         threading.Thread(target=_listen, args=args, daemon=True).start()
     clock = dict.fromkeys(worker_ranks, 0)  # gradients received from each worker
     waiting: dict[int, int] = {}  # worker -> clock of its pull not answered yet
-    step_grads: dict[int, torch.Tensor] = {}  # sync: this step's gradients, by worker
+    step_grads: dict[int, torch.Tensor] = {}  # synchronous: this step's gradients, by worker
     done, updates, stale, gaps, rounds = set(), 0, [], [], []
     while len(done) < workers:
         w, header, grad = events.get()
@@ -79,23 +82,23 @@ def _serve(model, rank, lr, mode, bound, members, *, servers, workers, ranges, c
             _count_received(grad, traffic)
             clock[w] += 1
             stale.append(updates - pulled_version)
-            if mode == "sync":  # add up the step's gradients, in worker order, then step
+            if not consistency.on_arrival:  # synchronous: sum the step's gradients in worker order
                 step_grads[w] = grad
                 expected = list(worker_ranks) if members is None else sorted(members[updates])
                 if sorted(step_grads) == expected:
                     shard.add_(torch.stack([step_grads[v] for v in expected]).sum(0), alpha=-lr)
                     updates, step_grads = updates + 1, {}
                     rounds.append(expected)
-            else:  # ssp and async: apply each gradient on arrival
+            else:  # bounded staleness and asynchronous: apply each gradient on arrival
                 shard.add_(grad, alpha=-lr)
                 updates += 1
         elif kind == DONE:
             done.add(w)
-        # How far ahead a pull for step c is: of the slowest worker, or in sync of the last
+        # How far ahead a pull for step c is: of the slowest worker, or, synchronous, of the last
         # update (the same without members; with them a worker that left stays behind).
-        behind = updates if mode == "sync" else min(clock.values())
+        behind = min(clock.values()) if consistency.on_arrival else updates
         for v, c in list(waiting.items()):  # answer the pulls the bound now allows
-            if c - behind <= bound:
+            if c - behind <= consistency.bound:
                 del waiting[v]
                 gaps.append(c - behind)
                 _send(torch.tensor([updates, c - behind]), v, REPLY, traffic, comm)

@@ -13,9 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-
+from dmlbook.bench import _one_all_reduce
 from dmlbook.launch import run
 
 EMPTY, ALL_REDUCE = "pass", "dist.all_reduce(t)"
@@ -23,12 +21,6 @@ EMPTY, ALL_REDUCE = "pass", "dist.all_reduce(t)"
 
 def _empty() -> None:
     pass
-
-
-def _one_all_reduce() -> float:
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def _times_ms(fn: Callable[[], object], repeats: int, warmup: int = 5) -> list[float]:

@@ -1,0 +1,137 @@
+"""Benchmarks: each teaching implementation against torch's own, measured in the same run.
+
+    python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
+    python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run
+    python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
+    python -m dmlbook.bench ddp --world-size 2 --json out.json
+                                             # BucketedDDP and NaiveDDP vs torch DDP, per step
+    python -m dmlbook.bench allreduce --world-size 2 --sizes 64KiB,1MiB,16MiB,64MiB --json out.json
+                                             # every collectives.all_reduce algorithm vs gloo/NCCL
+    python -m dmlbook.bench recompute --json out.json
+                                             # activation memory saved and step time overhead
+    python -m dmlbook.bench pipeline --json out.json
+                                             # vanilla / GPipe / 1F1B step time and bubble vs
+                                             # torch.distributed.pipelining, 2 stages
+    python -m dmlbook.bench netlab           # TCP over a shaped netlab link vs its setting (root)
+    python -m dmlbook.bench composed --json out.json
+                                             # chapter 13's step at world size 8: memory and
+                                             # bytes per dimension, measured / predicted
+    python -m dmlbook.bench all
+
+Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
+These are measurements, never assertions: the tests check correctness only. Take timing claims
+at world size <= the number of cores (2 on the reference laptop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+# One module per benchmark (dmlbook.bench.launch, .ddp, .allreduce, ...), each imported by main
+# only when its benchmark runs; here, what they share.
+
+
+def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> float:
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"{name:38s} ours {a:8.3f} {unit}   torch {b:8.3f} {unit}   ratio {a / b:5.2f}x")
+    return a / b
+
+
+def _write_json(records: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {path}")
+
+
+def _load_average() -> str:
+    """Timings on a shared box mean little without it."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start"
+
+
+def _one_all_reduce() -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+BENCHES = (
+    "launch",
+    "ranks",
+    "data-parallel",
+    "ddp",
+    "allreduce",
+    "recompute",
+    "pipeline",
+    "netlab",
+    "composed",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from dmlbook.bench.ddp import DDP_MODELS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dmlbook.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("which", choices=[*BENCHES, "all"])
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB,64MiB", help="allreduce sizes")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (allreduce)")
+    parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
+    parser.add_argument(
+        "--json",
+        help="ranks, allreduce, ddp, recompute, pipeline, composed: write the records to this file",
+    )
+    parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
+    parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: bucket size")
+    args = parser.parse_args(argv)
+    every = args.which == "all"
+    if every or args.which == "launch":
+        from dmlbook.bench.launch import bench_launch
+
+        bench_launch()
+    if every or args.which == "ranks":
+        from dmlbook.bench.ranks import bench_ranks
+
+        _write_json(bench_ranks(), args.json if args.which == "ranks" else None)
+    if every or args.which == "data-parallel":
+        from dmlbook.bench.data_parallel import bench_data_parallel
+
+        bench_data_parallel(args.world_size)
+    if every or args.which == "ddp":
+        from dmlbook.bench.ddp import bench_ddp
+
+        models = tuple(args.models.split(","))
+        json_path = args.json if args.which == "ddp" else None
+        bench_ddp(args.world_size, models, args.steps, 5, args.bucket_cap_mb, json_path)
+    if every or args.which == "allreduce":
+        from dmlbook.bench.allreduce import bench_allreduce, parse_size
+
+        sizes = tuple(parse_size(s) for s in args.sizes.split(","))
+        bench_allreduce(args.world_size, sizes, args.repeats, check=args.check, json_path=args.json)
+    if every or args.which == "recompute":
+        from dmlbook.bench.recompute import bench_recompute
+
+        bench_recompute(json_path=args.json if args.which == "recompute" else None)
+    if every or args.which == "pipeline":
+        from dmlbook.bench.pipeline import bench_pipeline
+
+        bench_pipeline(json_path=args.json if args.which == "pipeline" else None)
+    if every or args.which == "netlab":
+        from dmlbook.bench.netlab import bench_netlab
+
+        bench_netlab()
+    if every or args.which == "composed":
+        from dmlbook.bench.composed import bench_composed
+
+        bench_composed(json_path=args.json if args.which == "composed" else None)

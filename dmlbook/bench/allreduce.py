@@ -1,0 +1,114 @@
+"""``python -m dmlbook.bench allreduce``: chapter 2's all-reduce algorithms against torch's.
+
+Every algorithm of :func:`dmlbook.comm.collectives.all_reduce` and ``torch.distributed``'s
+``all_reduce`` (gloo, or NCCL on GPUs), timed at each message size. Chapter 2 fits the alpha-beta
+model of :mod:`dmlbook.comm.costmodel` to what :func:`time_all_reduces` measures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dmlbook.bench import _write_json
+from dmlbook.comm import collectives
+from dmlbook.launch import device, run
+
+_UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB' -> 65536, '1MiB' -> 1048576, '1000' -> 1000 (bytes)."""
+    t = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if t.endswith(unit) and t[: -len(unit)].strip():
+            return int(float(t[: -len(unit)]) * _UNITS[unit])
+    return int(t)
+
+
+def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
+    """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
+    repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's."""
+    dev = device()
+    contenders = [*collectives.ALGORITHMS, "torch"]
+    records = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+        times = {name: [] for name in contenders}
+        for i in range(warmup + repeats):
+            for name in contenders:
+                dist.barrier()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                if name == "torch":
+                    dist.all_reduce(tensor)
+                else:
+                    collectives.all_reduce(tensor, algorithm=name, check=check)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                if i >= warmup:
+                    times[name].append(elapsed.item())
+                tensor.fill_(1.0)  # keep the values bounded across repeats
+        records.append({name: statistics.median(t) for name, t in times.items()})
+    return records
+
+
+def bench_allreduce(
+    world_size: int = 2,
+    sizes: tuple[int, ...] = (64 << 10, 1 << 20, 16 << 20, 64 << 20),
+    repeats: int = 15,
+    warmup: int = 3,
+    check: bool = False,
+    json_path: str | None = None,
+) -> list[dict]:
+    """Median time of each dmlbook all-reduce algorithm against torch's, at each message size.
+
+    ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
+    The shape check (one extra round) is off unless ``check``; torch's all_reduce has none.
+    """
+    measured = run(time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
+        0
+    ]
+    records = []
+    print(
+        f"all_reduce, float32, world size {world_size}, median of {repeats} "
+        f"(slowest rank), baseline torch.distributed.all_reduce"
+    )
+    print(
+        f"{'algorithm':>20s} {'bytes':>10s} {'median':>10s} {'torch':>10s} {'ratio':>6s} "
+        f"{'busbw GB/s':>10s}"
+    )
+    for nbytes, times in zip(sizes, measured, strict=True):
+        for algorithm in collectives.ALGORITHMS:
+            median_s, baseline = times[algorithm], times["torch"]
+            busbw = nbytes * 2 * (world_size - 1) / world_size / median_s / 1e9
+            records.append(
+                {
+                    "algorithm": algorithm,
+                    "world_size": world_size,
+                    "bytes": nbytes,
+                    "median_s": median_s,
+                    "baseline_median_s": baseline,
+                    "ratio": median_s / baseline,
+                    "busbw_GBps": busbw,
+                }
+            )
+            print(
+                f"{algorithm:>20s} {_human(nbytes):>10s} {1e3 * median_s:8.3f}ms "
+                f"{1e3 * baseline:8.3f}ms {median_s / baseline:5.2f}x {busbw:10.2f}"
+            )
+    _write_json(records, json_path)
+    return records
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"

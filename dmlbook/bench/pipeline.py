@@ -1,0 +1,156 @@
+"""``python -m dmlbook.bench pipeline``: chapter 6's pipeline schedules against torch's.
+
+Our vanilla, GPipe and 1F1B schedules (:mod:`dmlbook.model_parallel.pipeline`) against
+``torch.distributed.pipelining``'s on the same stage modules: step time, and the measured bubble
+beside the theory (P-1)/(M+P-1). Chapter 6 runs :func:`bench_pipeline` on a small model.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dmlbook.bench import _load_average, _write_json
+from dmlbook.launch import device, run
+from dmlbook.models import mlp
+
+
+def _pipeline_step_times(
+    cases: list[tuple[str, int]],
+    steps: int,
+    warmup: int,
+    width: int,
+    depth: int,
+    batch: int,
+    versus_torch: bool,
+) -> dict:
+    """On every stage: step times of our schedules and torch's, interleaved round by round.
+
+    The model is ``depth`` Linear(width, width) layers (ReLU between) split evenly, so every
+    stage does the same work and an op's compute dwarfs its messages. Each step starts after a
+    barrier; its time is the slowest stage's. Our steps also return this stage's timeline.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from dmlbook.model_parallel import pipeline as pp
+
+    rank, stages, dev = dist.get_rank(), dist.get_world_size(), device()
+    model = mlp(seed=0, in_features=width, hidden=(width,) * (depth - 1), out_features=width)
+    module = pp.split_model(pp.layers_of(model), pp.even_partition(depth, stages))[rank].to(dev)
+    ours = pp.PipelineStage(module, rank, stages, device=dev)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(batch, width, generator=g).to(dev) for _ in range(2))
+    loss_fn = torch.nn.functional.mse_loss
+    theirs = {}  # torch's counterpart: vanilla is GPipe with one micro-batch
+    for schedule, microbatches in cases if versus_torch else []:
+        kind = {"vanilla": ScheduleGPipe, "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        stage = PipelineStage(module, rank, stages, dev)
+        theirs[schedule, microbatches] = kind(stage, microbatches, loss_fn=loss_fn)
+
+    def torch_step(schedule, microbatches):
+        runner = theirs[schedule, microbatches]
+        if rank == 0:
+            runner.step(x)
+        elif rank == stages - 1:
+            runner.step(target=y)
+        else:
+            runner.step()
+
+    def timed(step, *args) -> tuple[float, object]:
+        module.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        result = step(*args)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest stage's time
+        return elapsed.item(), result
+
+    out = {case: {"ours": [], "torch": [], "timelines": []} for case in cases}
+    for i in range(warmup + steps):
+        for case in cases[i % len(cases) :] + cases[: i % len(cases)]:  # rotate the order
+            ours_s, result = timed(ours.train_step, x, y, loss_fn, case[1], case[0])
+            torch_s, _ = timed(torch_step, *case) if versus_torch else (math.nan, None)
+            if i >= warmup:
+                out[case]["ours"].append(ours_s)
+                out[case]["torch"].append(torch_s)
+                out[case]["timelines"].append(result.timeline)
+    return out
+
+
+def bench_pipeline(
+    stages: int = 2,
+    microbatches: tuple[int, ...] = (2, 4, 8),
+    steps: int = 10,
+    warmup: int = 2,
+    width: int = 1024,
+    depth: int = 8,
+    batch: int = 256,
+    json_path: str | None = None,
+    versus_torch: bool = True,
+    schedules: tuple[str, ...] = ("gpipe", "1f1b"),
+) -> list[dict]:
+    """Our vanilla, GPipe and 1F1B pipelines against torch.distributed.pipelining's schedules.
+
+    Per schedule and micro-batch count: the median step time, the median measured bubble
+    (idle fraction of the stages' timelines) beside the theory (P-1)/(M+P-1), and the step time
+    over torch's on the same stage module (vanilla is set against torch's GPipe with M = 1;
+    ``ratio_vs_torch`` is None without ``versus_torch``).
+    """
+    from dmlbook.model_parallel import pipeline as pp
+
+    cases = [("vanilla", 1)] + [(s, m) for s in schedules for m in microbatches]
+    measured = run(
+        _pipeline_step_times,
+        stages,
+        cases,
+        steps,
+        warmup,
+        width,
+        depth,
+        batch,
+        versus_torch,
+        timeout=600,
+    )
+    print(
+        f"pipeline step, {stages} stages, MLP {depth} x Linear({width}, {width}), batch {batch}, "
+        f"median of {steps} steps (slowest stage), {_load_average()}\n"
+        "bubble: measured idle fraction; packed: the same op times with instant messages"
+    )
+    print(
+        f"{'schedule':>8s} {'M':>3s} {'median':>10s} {'bubble':>7s} {'packed':>7s} "
+        f"{'theory':>7s} " + (f"{'torch':>10s} {'vs torch':>8s}" if versus_torch else "")
+    )
+    records = []
+    for case in cases:
+        schedule, m = case
+        step_s = statistics.median(measured[0][case]["ours"])
+        torch_s = statistics.median(measured[0][case]["torch"])  # nan without versus_torch
+        ratio = step_s / torch_s if versus_torch else None
+        per_step = list(zip(*(measured[r][case]["timelines"] for r in range(stages)), strict=True))
+        bubble = statistics.median(pp.measured_bubble(timelines) for timelines in per_step)
+        # the same op durations with instant messages: what is left of the gap to the theory
+        packed = statistics.median(pp.measured_bubble(pp.packed_timelines(t)) for t in per_step)
+        theory = pp.bubble_theory(stages, m)
+        records.append(
+            {
+                "schedule": schedule,
+                "stages": stages,
+                "microbatches": m,
+                "median_step_s": step_s,
+                "bubble_measured": bubble,
+                "bubble_theory": theory,
+                "ratio_vs_torch": ratio,
+            }
+        )
+        print(
+            f"{schedule:>8s} {m:3d} {1e3 * step_s:8.1f}ms {bubble:7.3f} {packed:7.3f} "
+            f"{theory:7.3f} " + (f"{1e3 * torch_s:8.1f}ms {ratio:7.2f}x" if versus_torch else "")
+        )
+    _write_json(records, json_path)
+    return records

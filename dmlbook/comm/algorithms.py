@@ -1,0 +1,269 @@
+"""The message schedules behind every collective: binomial tree, ring, recursive doubling and
+naive (chapter 2; the tree and the reduced-precision ring in chapter 4).
+
+Each function here is one algorithm written as the messages each rank sends and receives through
+a :class:`~dmlbook.comm.p2p._Comm`, on a flat tensor changed in place; the checks, the tensor's
+shape and ``AVG``'s final division are left to :mod:`dmlbook.comm.collectives`, which calls them.
+
+* ``_tree_reduce`` and ``_tree_broadcast`` walk a binomial tree: ceil(log2 p) rounds, each
+  halving (or doubling) the number of ranks that hold the data. ``reduce`` and ``broadcast``
+  are these; the tree all-reduce is one then the other (chapter 4);
+* ``_ring_reduce_scatter`` and ``_ring_all_gather`` go round a ring, one chunk per step. Each
+  chunk is cut into slices that flow through the ring back to back, so that reducing one slice
+  overlaps receiving the next. The ring all-reduce is one then the other: every rank sends
+  2(p-1)/p of the tensor, the least any algorithm can. With a ``wire`` dtype (chapter 4, beside
+  gradient compression) chunks travel in bf16 or fp16, half the bytes of fp32, while every
+  addition happens in the tensor's own precision. Each partial sum is rounded once per hop and
+  the result once more before it goes round, so the error grows with the ring's length and not
+  with the precision of the sums; every rank still ends with the same bits.
+  :func:`chunk_holdings` replays a ring all-reduce's recorded sends to show which chunk sits
+  where after each step;
+* ``_recursive_doubling_all_reduce``: log2 p rounds of pairwise exchange of the whole tensor; the
+  ranks beyond the largest power of two first hand their data to a partner and get the result
+  back;
+* ``_naive_all_reduce``: everyone sends to rank 0, which reduces and sends the result back, as a
+  parameter server does.
+
+:data:`ALGORITHMS` names the four all-reduces, whose costs :mod:`dmlbook.comm.costmodel` models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dmlbook.comm.groups import balanced_blocks
+from dmlbook.comm.p2p import _combine, _Comm, _scratch
+from dmlbook.comm.trace import Send
+
+__all__ = ["ALGORITHMS", "RING_SLICE_BYTES", "chunk_holdings"]
+
+ALGORITHMS = ("ring", "tree", "recursive_doubling", "naive")
+# The ring cuts each chunk into slices of about this size, so that reducing one slice overlaps
+# receiving the next. Smaller slices overlap more but pay more per-message latency.
+RING_SLICE_BYTES = 1 << 20
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def _tree_reduce(comm: _Comm, buf: torch.Tensor, root: int, op, step0: int = 0) -> None:
+    """Binomial-tree reduce of ``buf`` (changed in place) to group rank ``root``.
+
+    In round k, every rank whose relative rank has bit k set sends what it holds to the rank 2^k
+    below it and drops out; so ceil(log2 p) rounds, and the root ends with everything.
+    """
+    size, me = comm.size, (comm.rank - root) % comm.size
+    incoming = _scratch(buf.numel(), buf)
+    mask, step = 1, step0
+    while mask < size:
+        if me & mask:
+            comm.isend(buf, (me - mask + root) % size, step, "reduce")
+            comm.wait_all()
+            return
+        if me + mask < size:
+            comm.recv(incoming, (me + mask + root) % size, step)
+            _combine(buf, incoming, op)
+        mask <<= 1
+        step += 1
+
+
+def _tree_broadcast(comm: _Comm, buf: torch.Tensor, root: int, step0: int = 0) -> None:
+    """Binomial-tree broadcast from group rank ``root``: the holders double every round."""
+    size, me = comm.size, (comm.rank - root) % comm.size
+    mask = 1
+    while mask < size:  # receive once, from the rank that got the data one round earlier
+        if me & mask:
+            comm.recv(buf, (me - mask + root) % size, step0 + mask.bit_length() - 1)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:  # then pass it on to the ranks below in the tree
+        if me + mask < size:
+            comm.isend(buf, (me + mask + root) % size, step0 + mask.bit_length() - 1, "broadcast")
+        mask >>= 1
+    comm.wait_all()
+
+
+def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> None:
+    rounds = math.ceil(math.log2(comm.size))
+    _tree_reduce(comm, flat, 0, op, step0)
+    _tree_broadcast(comm, flat, 0, step0 + rounds)
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+def _ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, int]]:
+    n = stop - start
+    parts = max(1, min(16, math.ceil(n * element_size / RING_SLICE_BYTES)))
+    return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]
+
+
+def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks, wire=None) -> None:
+    """p-1 steps: at step s rank r sends chunk (r-s-1) mod p to r+1 and adds the chunk arriving
+    from r-1 into its own copy; afterwards rank r holds chunk r summed over every rank.
+
+    Each chunk travels as slices: a slice is forwarded as soon as it has been reduced, so
+    receiving the next slice overlaps the addition. With ``wire`` (a dtype), slices are sent
+    rounded to it and added, on arrival, into ``flat``'s own precision.
+    """
+    size, rank = comm.size, comm.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    if size == 1:
+        return
+    wire = wire or flat.dtype
+    send = (lambda t: t) if wire == flat.dtype else (lambda t: t.to(wire))
+    slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
+    longest = max(b - a for a, b in chunks)
+    scratch = _scratch(2 * longest, flat.new_empty(0, dtype=wire)).split(longest)  # two steps'
+
+    def post_recvs(step: int):
+        c = (rank - step - 2) % size
+        base = chunks[c][0]
+        buf = scratch[step % 2]
+        return [(a, b, comm.irecv(buf[a - base : b - base], left, step)) for a, b in slices[c]]
+
+    c = (rank - 1) % size
+    for a, b in slices[c]:
+        comm.isend(send(flat[a:b]), right, 0, "reduce-scatter", c)
+    recvs = post_recvs(0)
+    for step in range(size - 1):
+        c = (rank - step - 2) % size
+        base = chunks[c][0]
+        nxt = post_recvs(step + 1) if step + 1 < size - 1 else []
+        for a, b, work in recvs:
+            if work is not None:
+                work.wait()
+            _combine(flat[a:b], scratch[step % 2][a - base : b - base], op)
+            if step + 1 < size - 1:  # forward the freshly reduced slice straight away
+                comm.isend(send(flat[a:b]), right, step + 1, "reduce-scatter", c)
+        recvs = nxt
+    comm.wait_all()
+
+
+def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) -> None:
+    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived."""
+    size, rank = comm.size, comm.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    if size == 1:
+        return
+    slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
+    for a, b in slices[rank]:
+        comm.isend(flat[a:b], right, step0, "all-gather", rank)
+    for step in range(size - 1):
+        c = (rank - step - 1) % size
+        recvs = [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
+        for a, b, work in recvs:
+            if work is not None:
+                work.wait()
+            if step + 1 < size - 1:
+                comm.isend(flat[a:b], right, step0 + step + 1, "all-gather", c)
+    comm.wait_all()
+
+
+def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None) -> None:
+    chunks = balanced_blocks(flat.numel(), comm.size)
+    _ring_reduce_scatter(comm, flat, op, chunks, wire)
+    if wire is None or wire == flat.dtype:
+        _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)
+        return
+    # The reduced chunks go round as they travel: rounded to the wire dtype, the owner's own
+    # chunk included, so that every rank ends with the same bits.
+    low = flat.to(wire)
+    _ring_all_gather(comm, low, chunks, step0=comm.size - 1)
+    flat.copy_(low)
+
+
+def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozenset[int]]]]:
+    """Replay a ring all-reduce's sends (gathered from every rank): ``states[t][rank][chunk]`` is
+    the set of ranks whose contribution that rank's copy of that chunk holds after ``t`` steps.
+
+    Sends are given in group ranks (a trace of the world group, as the notebook records it).
+    """
+    holding = [[frozenset([r]) for _ in range(world_size)] for r in range(world_size)]
+    states = [[list(row) for row in holding]]
+    ring = sorted(
+        {(s.step, s.src, s.dst, s.chunk, s.phase) for s in sends if s.collective == "all_reduce"}
+    )
+    for step in sorted({s[0] for s in ring}):
+        moves = [s for s in ring if s[0] == step]
+        before = [list(row) for row in holding]  # all sends of a step happen at once
+        for _, src, dst, chunk, phase in moves:
+            if phase == "reduce-scatter":
+                holding[dst][chunk] = before[dst][chunk] | before[src][chunk]
+            else:
+                holding[dst][chunk] = before[src][chunk]
+        states.append([list(row) for row in holding])
+    return states
+
+
+# ---------------------------------------------------------------- recursive doubling and naive
+
+
+def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
+    """Pairwise exchange of the whole tensor with the rank 2^k away, for k = 0, 1, ...
+
+    With p not a power of two, the first 2r ranks (r = p minus the largest power of two below it)
+    pair up: each even one hands its data to the odd one above it, sits out the exchange rounds,
+    and receives the result at the end.
+    """
+    size, rank = comm.size, comm.rank
+    pow2 = 1 << (size.bit_length() - 1)
+    extra = size - pow2
+    incoming = _scratch(flat.numel(), flat)
+    step = 0
+    if rank < 2 * extra:
+        if rank % 2 == 0:  # hand over, wait for the answer
+            comm.isend(flat, rank + 1, step, "fold in")
+            comm.wait_all()
+            comm.recv(flat, rank + 1, step + 1 + pow2.bit_length() - 1)
+            return
+        comm.recv(incoming, rank - 1, step)
+        _combine(flat, incoming, op)
+        virtual = rank // 2
+    else:
+        virtual = rank - extra
+    step = 1
+
+    def real(v: int) -> int:
+        return 2 * v + 1 if v < extra else v + extra
+
+    mask = 1
+    while mask < pow2:
+        partner = real(virtual ^ mask)
+        work = comm.irecv(incoming, partner, step)
+        comm.isend(flat, partner, step, "exchange")
+        work.wait()
+        comm.wait_all()
+        _combine(flat, incoming, op)
+        mask <<= 1
+        step += 1
+    if rank < 2 * extra:  # odd partner of an even rank that sat out
+        comm.isend(flat, rank - 1, step, "fold out")
+        comm.wait_all()
+
+
+def _naive_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
+    """Everyone sends to rank 0, one after another through its link; it sends the result back."""
+    if comm.rank == 0:
+        incoming = _scratch(flat.numel(), flat)
+        for src in range(1, comm.size):
+            comm.recv(incoming, src, 0)
+            _combine(flat, incoming, op)
+        for dst in range(1, comm.size):
+            comm.isend(flat, dst, 1, "send back")
+        comm.wait_all()
+    else:
+        comm.isend(flat, 0, 0, "send in")
+        comm.wait_all()
+        comm.recv(flat, 0, 1)
+
+
+_ALL_REDUCE = {
+    "ring": _ring_all_reduce,
+    "tree": _tree_all_reduce,
+    "recursive_doubling": _recursive_doubling_all_reduce,
+    "naive": _naive_all_reduce,
+}

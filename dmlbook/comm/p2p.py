@@ -1,0 +1,150 @@
+"""The point-to-point plumbing that every from-scratch collective shares (chapter 2; chapter 4).
+
+:mod:`dmlbook.comm.algorithms` writes each collective as a schedule of messages, and
+:mod:`dmlbook.comm.collectives` wraps them in ``torch.distributed``'s signatures. Both stand on
+what is here:
+
+* ``_Comm``: a rank's view of a group, its rank and size there, and messages addressed by group
+  rank. Every message sent through it is recorded as a :class:`~dmlbook.comm.trace.Send`, so
+  ``with collectives.recording() as sends:`` counts the traffic;
+* the checks every collective makes first: a supported dtype, a supported ``ReduceOp``;
+* ``_combine``, the reduction itself (AVG sums and divides once at the end, ``_finish_avg``);
+* ``_scratch``, receive buffers kept from call to call, and ``_flat``/``_write_back``, which let
+  the algorithms work on a flat view of any tensor, contiguous or not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from dmlbook.comm import trace
+from dmlbook.comm.trace import Send
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+
+
+class _Comm:
+    """A rank's view of a group: its rank and size there, and messages addressed by group rank."""
+
+    def __init__(self, group, collective: str) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.collective = collective
+        self.pending: list[dist.Work] = []
+        self.in_flight: list[torch.Tensor] = []  # tensors made just to be sent, kept until sent
+        self.tag_base = 0  # the shape check uses its own tags, and is not recorded
+
+    def member(self) -> bool:
+        return self.rank >= 0
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def group_rank(self, global_rank: int, name: str) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            ranks = range(self.size)
+            if global_rank not in ranks:
+                raise ValueError(f"{name}={global_rank} is not a rank of a world of {self.size}")
+            return global_rank
+        try:
+            return dist.get_group_rank(self.group, global_rank)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"{name}={global_rank} is not a rank of this group") from e
+
+    def isend(self, t: torch.Tensor, peer: int, step: int, phase: str, chunk=None) -> None:
+        """Start sending ``t`` to group rank ``peer``; :meth:`wait_all` finishes it."""
+        if t.numel() == 0:
+            return
+        dst = self.global_rank(peer)
+        if self.tag_base == 0:  # the shape check is plumbing, not the algorithm's traffic
+            trace.record(
+                Send(
+                    self.collective,
+                    phase,
+                    step,
+                    self.global_rank(self.rank),
+                    dst,
+                    t.numel() * t.element_size(),
+                    chunk,
+                )
+            )
+        self.pending.append(dist.isend(t, dst, group=self.group, tag=self.tag_base + step))
+        self.in_flight.append(t)
+
+    def irecv(self, t: torch.Tensor, peer: int, step: int) -> dist.Work | None:
+        if t.numel() == 0:
+            return None
+        return dist.irecv(t, self.global_rank(peer), group=self.group, tag=self.tag_base + step)
+
+    def recv(self, t: torch.Tensor, peer: int, step: int) -> None:
+        work = self.irecv(t, peer, step)
+        if work is not None:
+            work.wait()
+
+    def wait_all(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+        self.in_flight.clear()
+
+
+def _check_tensor(tensor, name: str = "tensor") -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; supported: {', '.join(map(str, _DTYPES))}"
+        )
+
+
+def _check_op(op, dtype: torch.dtype) -> None:
+    if op not in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX):
+        raise ValueError(f"op must be ReduceOp.SUM, AVG, PRODUCT, MIN or MAX, got {op}")
+    if op == ReduceOp.AVG and not dtype.is_floating_point:
+        raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}")
+
+
+def _combine(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
+    """acc <- acc (op) incoming, in place. AVG sums here and divides once at the end."""
+    if op == ReduceOp.SUM or op == ReduceOp.AVG:
+        acc.add_(incoming)
+    elif op == ReduceOp.PRODUCT:
+        acc.mul_(incoming)
+    elif op == ReduceOp.MAX:
+        torch.maximum(acc, incoming, out=acc)
+    else:
+        torch.minimum(acc, incoming, out=acc)
+
+
+def _finish_avg(t: torch.Tensor, op, size: int) -> None:
+    if op == ReduceOp.AVG:
+        t.div_(size)
+
+
+_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements, reused from call to call (as gloo and NCCL keep
+    theirs): a fresh multi-megabyte buffer costs a page fault per 4 KiB the first time it is
+    written, which at 2 GB/s links is a large share of the transfer itself."""
+    key = (like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    if tensor.is_contiguous():
+        return  # flat is a view of tensor already
+    tensor.copy_(flat.view(tensor.shape))
