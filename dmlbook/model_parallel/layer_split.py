@@ -96,3 +96,12 @@ def split_model(layers: Sequence[nn.Module], counts: Sequence[int]) -> list[nn.S
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """CharGPT's loss from the last stage's logits (B, T, V): cross entropy over all B*T tokens."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):
+    """This rank's stage module and the split, checked against the group's size."""
+    layers = layers_of(model)
+    counts = list(counts) if counts is not None else even_partition(len(layers), size)
+    if len(counts) != size:
+        raise ValueError(f"counts {counts} name {len(counts)} stages, but the group has {size}")
+    return split_model(layers, counts)[rank], counts
