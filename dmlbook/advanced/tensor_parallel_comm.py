@@ -4,9 +4,9 @@ Chapter 9 ("Hybrid data and model parallelism") splits a layer's matrices across
 (:mod:`dmlbook.advanced.tensor_parallel`); everything those layers exchange goes through this
 module, in layers as in Megatron's ``mappings.py``:
 
-* raw collectives on the last dimension that bypass at world size 1 and record every call they
-  make as a :class:`CommRecord` (:mod:`dmlbook.comm.trace`): inside ``with counting() as comms:``
-  the notebook counts the collectives per layer and pass;
+* raw collectives (an all-reduce, and an all-gather of the last dimension) that bypass at world
+  size 1 and record every call they make as a :class:`CommRecord` (:mod:`dmlbook.comm.trace`):
+  inside ``with counting() as comms:`` the notebook counts the collectives per layer and pass;
 * autograd functions in conjugate pairs, each saying what it does forward and backward:
   :func:`copy_to_tensor_parallel` is the identity forward and an all-reduce backward (Megatron's
   ``f``), :func:`reduce_from_tensor_parallel` the reverse (``g``);
