@@ -2,9 +2,10 @@
 
 :class:`Lab` is N hosts (network namespaces) on one switch namespace, each link shaped with tc;
 ``with Lab(...) as lab:`` always tears them down. :func:`down` removes a lab's namespaces, even
-one an interrupted run left behind, and :func:`status` shows them. Chapters 3 and 11 run
-torchrun jobs across the hosts, chapter 4 shapes the links and chapter 13 times layouts on them;
-the package docstring (:mod:`dmlbook.netlab`) explains the wiring.
+one an interrupted run left behind, and :func:`status` shows them. Chapter 4 shapes the links and
+times all-reduces across the hosts, chapter 13 times layouts on them, and chapters 3 and 11 send
+the reader to the tests that run torchrun jobs on them and kill a host; the package docstring
+(:mod:`dmlbook.netlab`) explains the wiring.
 """
 
 from __future__ import annotations
