@@ -12,15 +12,16 @@ teaches it.
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
   scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
   ``serving`` (data-parallel inference), ``tuning``
-* ``model_parallel`` (section 2, chapters 5-8): ``memory``, ``recompute``, ``pipeline``,
-  ``stage_balancing``, ``pipeline_workflows``, ``serving`` (freezing, offload, low-rank,
-  distillation, quantization, reduced precision)
-* ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``,
-  ``parallelize``, ``mesh``, ``zero``, ``sharded_optimizer``, ``federated``, ``elastic``,
-  ``speedups``; chapter 13's ``sequence_parallel``, ``context_parallel``, ``moe``,
-  ``expert_parallel``
+* ``model_parallel`` (section 2, chapters 5-8): ``memory``, ``recompute``, ``layer_split``,
+  ``schedules``, ``pipeline``, ``stage_balancing``, ``pipeline_workflows``, ``pipeline_serving``,
+  ``serving`` (freezing, offload, low-rank, distillation, quantization, reduced precision)
+* ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``
+  (``tensor_parallel_comm``, ``vocab_parallel``), ``parallelize``, ``mesh``, ``zero``,
+  ``sharded_optimizer``, ``federated``, ``elastic``, ``speedups``; chapter 13's
+  ``sequence_parallel``, ``context_parallel``, ``moe``, ``expert_parallel``
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
-  repeat), ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
+  repeat), ``cpu_wait`` (did each rank have a core while it was timed? chapters 7 and 12),
+  ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
   (``python -m dmlbook.bench``: each implementation against torch's own)
 * ranks that live across notebook cells: ``ranks`` (``Ranks``, also ``dmlbook.launch.Ranks``) and
   the IPython extension ``%load_ext dmlbook`` (``magic``: ``%ranks`` and ``%%ranks``, chapters 2

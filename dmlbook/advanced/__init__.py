@@ -1,7 +1,8 @@
 """Advanced paradigms: several parallelisms at once, and training beyond one cluster (ch. 9-12).
 
-* ``tensor_parallel``: Megatron column / row linears, parallel MLP and attention, vocab-parallel
-  embedding and loss (chapter 9)
+* ``tensor_parallel``: Megatron column / row linears, parallel MLP and attention;
+  ``tensor_parallel_comm``: their conjugate communication operators, counted;
+  ``vocab_parallel``: vocab-parallel embedding and loss (chapter 9)
 * ``parallelize``: plans of styles applied to an unmodified model, the composition order stated
   once (chapter 9)
 * ``mesh``: a device mesh of process groups, and DP x TP training (chapter 9)

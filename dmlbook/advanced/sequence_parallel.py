@@ -43,7 +43,8 @@ from torch.nn import functional as F
 
 from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.advanced.parallelize import LossParallel, Style, VocabParallel, apply_tensor_parallel
-from dmlbook.comm import collectives, trace
+from dmlbook.advanced.tensor_parallel_comm import _note
+from dmlbook.comm import collectives
 from dmlbook.comm.groups import even_block, group_rank_size
 from dmlbook.model_parallel.memory.estimate import block_saved_terms
 from dmlbook.model_parallel.recompute import SavedTensorMeter
@@ -71,10 +72,6 @@ __all__ = [
 SEQ_DIM = 1  # activations are (B, T, C)
 
 # --------------------------------------------------------------------------- raw collectives
-
-
-def _note(op: str, direction: str, t: torch.Tensor, size: int) -> None:
-    trace.record(tp.CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
 
 
 def _block(t: torch.Tensor, group) -> torch.Tensor:

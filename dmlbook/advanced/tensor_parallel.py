@@ -11,39 +11,47 @@ weight ``W`` can be cut two ways over p ranks:
 A column split followed by a row split needs no communication in between (an element-wise GeLU
 keeps the column blocks separate), so a transformer MLP or attention block costs exactly one
 all-reduce forward and one backward (Shoeybi et al. 2019, "Megatron-LM"). The communication is
-written as two *conjugate* autograd functions: :func:`copy_to_tensor_parallel` is the identity
-forward and an all-reduce backward (Megatron's ``f``), :func:`reduce_from_tensor_parallel` the
-reverse (``g``). :func:`gather_from_tensor_parallel` and :func:`scatter_to_tensor_parallel` are the
-pair that joins or cuts the last dimension.
+:mod:`dmlbook.advanced.tensor_parallel_comm`'s: two *conjugate* autograd functions,
+:func:`copy_to_tensor_parallel` (identity forward, all-reduce backward: Megatron's ``f``) and
+:func:`reduce_from_tensor_parallel` (the reverse: ``g``), and the pair that joins or cuts the last
+dimension; inside ``with counting() as comms:`` every collective is recorded, so the notebook can
+count them per layer and pass. :func:`communication_per_step` is the count in closed form.
 
-On top of them: :class:`ParallelMLP`, :class:`ParallelSelfAttention` (heads split across the
-ranks, causal), :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy` (the
-softmax's max and sum-exp all-reduced, the target's logit taken from the rank that owns it) and
+On top of them, here: :class:`ParallelMLP` and :class:`ParallelSelfAttention` (heads split across
+the ranks, causal); in :mod:`dmlbook.advanced.vocab_parallel`, :class:`VocabParallelEmbedding`
+and :func:`vocab_parallel_cross_entropy`; and
 :func:`dmlbook.advanced.parallelize.tensor_parallel_char_gpt`, the char-GPT of
 :mod:`dmlbook.models` with every block split by a plan. Each layer has a ``from_...`` constructor
 that cuts its shard out of an unsplit layer, which is how the plan applies it and how the tests and
-the notebook prove the split layer computes the same thing.
+the notebook prove the split layer computes the same thing. This module gives the names of both
+others too, so that ``from dmlbook.advanced import tensor_parallel as tp`` is all a notebook needs.
 
-All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
-tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
-:class:`dmlbook.advanced.mesh.DeviceMesh`). Inside ``with counting() as comms:`` every collective
-these layers run is recorded (:mod:`dmlbook.comm.trace`), so the notebook can count them per layer
-and pass. Which block of a size each rank holds is :func:`dmlbook.comm.groups.even_block`: sizes
-must divide by the TP size.
+``group=`` picks the tensor-parallel process group as in ``torch.distributed`` (the TP dimension
+of a :class:`dmlbook.advanced.mesh.DeviceMesh`). Which block of a size each rank holds is
+:func:`dmlbook.comm.groups.even_block`: sizes must divide by the TP size.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook.comm import collectives, trace
+from dmlbook.advanced.tensor_parallel_comm import (
+    CommRecord,
+    copy_to_tensor_parallel,
+    counting,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+from dmlbook.advanced.vocab_parallel import (
+    VocabParallelEmbedding,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
 from dmlbook.comm.groups import even_block, group_rank_size
 from dmlbook.models import CausalSelfAttention, FeedForward
 
@@ -63,143 +71,6 @@ __all__ = [
     "scatter_to_tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]
-
-
-# --------------------------------------------------------------------------- groups and shards
-
-
-def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` >= ``vocab_size``: Megatron pads the vocabulary so
-    that it divides by the TP size; the padding ids are simply never used."""
-    if vocab_size < 1 or multiple < 1:
-        raise ValueError(f"need vocab_size >= 1 and multiple >= 1, got {vocab_size}, {multiple}")
-    return -(-vocab_size // multiple) * multiple
-
-
-# --------------------------------------------------------------------------- counting
-
-
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective a tensor-parallel layer ran: which, in which pass, on how many bytes."""
-
-    op: str  # "all_reduce" or "all_gather"
-    direction: str  # "forward" or "backward"
-    numel: int
-    nbytes: int
-    group_size: int
-
-
-def counting() -> AbstractContextManager[list[CommRecord]]:
-    """Record, into the yielded list, every collective the layers of this module run
-    (:func:`dmlbook.comm.trace.recording` of :class:`CommRecord` events)."""
-    return trace.recording(CommRecord)
-
-
-def _note(op: str, direction: str, t: torch.Tensor, size: int) -> None:
-    trace.record(CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
-
-
-def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    _, size = group_rank_size(group)
-    t = t.contiguous().clone()
-    if size > 1:
-        _note("all_reduce", direction, t, size)
-        collectives.all_reduce(t, op=op, group=group, check=False)
-    return t
-
-
-def _all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
-    rank, size = group_rank_size(group)
-    if size == 1:
-        return t
-    t = t.contiguous()
-    _note("all_gather", direction, t, size)
-    pieces = [torch.empty_like(t) for _ in range(size)]
-    collectives.all_gather(pieces, t, group=group, check=False)
-    return torch.cat(pieces, dim=-1)
-
-
-def _my_block_last(t: torch.Tensor, group) -> torch.Tensor:
-    rank, size = group_rank_size(group)
-    start, stop = even_block(t.shape[-1], rank=rank, world_size=size, what="last dimension")
-    return t[..., start:stop].contiguous()
-
-
-# --------------------------------------------------------------------------- conjugate operators
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; backward all-reduces the input's gradient, because
-    every rank's shard used the whole input and each contributes part of its gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "backward"), None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce forward (add the ranks' partial sums); identity backward,
-    because every partial sum gets the whole output's gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromTensorParallel(torch.autograd.Function):
-    """All-gather the last dimension forward; backward keeps this rank's block of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_last(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_block_last(grad, ctx.group), None
-
-
-class _ScatterToTensorParallel(torch.autograd.Function):
-    """Keep this rank's block of the last dimension forward; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_block_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_last(grad, ctx.group, "backward"), None
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient backward (``f``)."""
-    return _CopyToTensorParallel.apply(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-reduce (sum) forward, identity backward (``g``)."""
-    return _ReduceFromTensorParallel.apply(x, group)
-
-
-def gather_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate every rank's last-dimension block forward; split the gradient backward."""
-    return _GatherFromTensorParallel.apply(x, group)
-
-
-def scatter_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Keep this rank's last-dimension block forward; all-gather the gradient backward."""
-    return _ScatterToTensorParallel.apply(x, group)
 
 
 # --------------------------------------------------------------------------- linear layers
@@ -430,101 +301,6 @@ class ParallelSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh / p, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C / p)
         return self.c_proj(y)  # (B, T, C), summed over the ranks' heads
-
-
-# --------------------------------------------------------------------------- vocabulary
-
-
-class VocabParallelEmbedding(nn.Module):
-    """An embedding table whose rows (token ids) are split across the ranks.
-
-    Each rank looks up the ids it owns and writes zeros for the others; one all-reduce adds the
-    ranks' rows, so every rank ends with every token's vector.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, dtype=None) -> None:
-        super().__init__()
-        rank, world = group_rank_size(group)
-        self.vocab_range = even_block(
-            num_embeddings, rank=rank, world_size=world, what="num_embeddings"
-        )
-        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
-        rows = self.vocab_range[1] - self.vocab_range[0]
-        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype))
-        nn.init.normal_(self.weight)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None) -> VocabParallelEmbedding:
-        """This rank's rows of an unsplit ``nn.Embedding``."""
-        layer = cls(
-            embedding.num_embeddings, embedding.embedding_dim, group, embedding.weight.dtype
-        )
-        start, stop = layer.vocab_range
-        with torch.no_grad():
-            layer.weight.copy_(embedding.weight[start:stop])
-        return layer
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        start, stop = self.vocab_range
-        foreign = (idx < start) | (idx >= stop)  # ids another rank owns
-        local = (idx - start).masked_fill(foreign, 0)
-        rows = F.embedding(local, self.weight)  # (..., D)
-        rows = rows.masked_fill(foreign.unsqueeze(-1), 0.0)  # no gradient to row 0 either
-        return reduce_from_tensor_parallel(rows, self.group)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, group, vocab_start):
-        # logits: (N, V / p), this rank's columns; target: (N,) global ids.
-        local_max = logits.max(dim=-1).values
-        global_max = _all_reduce(local_max, group, "forward", dist.ReduceOp.MAX)
-        shifted = logits - global_max.unsqueeze(-1)  # the same shift on every rank
-        exp = shifted.exp()
-        vocab = logits.shape[-1]
-        mine = (target >= vocab_start) & (target < vocab_start + vocab)
-        local_target = (target - vocab_start).masked_fill(~mine, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        # One all-reduce adds both the sums of exp and the target's logit (only its owner has a
-        # non-zero one); Megatron runs these two as separate all-reduces.
-        both = torch.stack([exp.sum(dim=-1), picked.masked_fill(~mine, 0.0)])  # (2, N)
-        sum_exp, target_logit = _all_reduce(both, group, "forward")
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, mine)
-        return sum_exp.log() - target_logit  # (N,): each token's loss, on every rank
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local_target, mine = ctx.saved_tensors
-        grad_logits = softmax.clone()  # d loss / d logit = softmax - one_hot(target)
-        rows = torch.arange(len(local_target))
-        grad_logits[rows, local_target] -= mine.to(softmax.dtype)
-        return grad_logits * grad.unsqueeze(-1), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group=None, reduction: str = "mean"
-) -> torch.Tensor:
-    """Cross-entropy over a vocabulary whose logits are split by columns across ``group``.
-
-    ``logits`` ``(..., V / p)`` is this rank's block; ``target`` holds global token ids. No rank
-    ever holds all V logits: an all-reduce of one number per token (the max) and one of two (the
-    sum of exp and the target's logit) give every rank the loss. ``reduction`` is "mean", "sum"
-    or "none"."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on the "
-            "leading dimensions"
-        )
-    rank, _ = group_rank_size(group)
-    vocab_start = rank * logits.shape[-1]
-    losses = _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, vocab_start
-    ).view(target.shape)
-    if reduction == "mean":
-        return losses.mean()
-    return losses.sum() if reduction == "sum" else losses
 
 
 # --------------------------------------------------------------------------- cost

@@ -11,6 +11,9 @@ one function each, with ``rank`` and ``world_size`` keyword-only so that they ca
   (samples to serve, a ring's chunks);
 * :func:`padded_block`: equal blocks of a buffer padded to a multiple of the world size, so the
   last ranks' blocks may run into the padding (ZeRO's flat shards, as FSDP1 pads them).
+
+:func:`group_rank_size` and :func:`barrier` also work outside a process group, as the one rank of
+a world of one, so that the same rank function runs in a single process.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import math
 
 import torch.distributed as dist
 
-__all__ = ["balanced_blocks", "even_block", "group_rank_size", "padded_block", "padded_size"]
+__all__ = [
+    "balanced_blocks",
+    "barrier",
+    "even_block",
+    "group_rank_size",
+    "padded_block",
+    "padded_size",
+]
 
 
 def group_rank_size(group=None) -> tuple[int, int]:
@@ -27,6 +37,12 @@ def group_rank_size(group=None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def barrier(group=None) -> None:
+    """``dist.barrier(group=group)`` when ``group`` has more than one rank; else a no-op."""
+    if group_rank_size(group)[1] > 1:
+        dist.barrier(group=group)  # communication
 
 
 def _check(size: int, rank: int, world_size: int) -> None:

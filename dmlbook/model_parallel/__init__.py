@@ -2,9 +2,14 @@
 
 * ``memory``: what a training step holds, estimated and measured (chapter 5)
 * ``recompute``: activation checkpointing by hand and with torch (chapters 4 and 5)
-* ``pipeline``: layer split, vanilla / GPipe / 1F1B schedules as data, one executor (chapter 6)
+* ``layer_split``: a model as a chain of layers, cut into stages (chapter 6)
+* ``schedules``: vanilla / GPipe / 1F1B schedules as data, and the timelines a run records
+  (chapter 6)
+* ``pipeline``: one executor for any schedule, one stage per rank; gives the two above's names
+  too (chapter 6)
 * ``stage_balancing``: stages cut by measured cost, a linear-partition DP (chapter 7)
-* ``pipeline_workflows``: pipelined training on and off, fine-tuning and serving (chapter 7)
+* ``pipeline_workflows``: pipelined training on and off, fine-tuning (chapter 7)
+* ``pipeline_serving``: a stream of requests through overlapping stages (chapter 7)
 * ``serving``: freezing, offload, low-rank, distillation, quantization and reduced-precision
   inference (chapter 8)
 """

@@ -1,4 +1,4 @@
-"""Model-parallel workflows: train, fine-tune and serve a model cut into pipeline stages.
+"""Model-parallel workflows: train and fine-tune a model cut into pipeline stages.
 
 Chapter 7 ("Model-parallel training and serving workflows") puts chapter 6's pipeline
 (:mod:`dmlbook.model_parallel.pipeline`) to work. Everything here is a *rank function* for
@@ -17,13 +17,11 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
   rank starts from a pre-trained state dict; :func:`finetune_text` is a second text that ships
   with Python (stdlib docstrings) to fine-tune on, and :func:`lm_batches` and :func:`lm_loss`
   make batches and held-out losses of a character language model.
-- :func:`serve_pipelined` answers a stream of requests with the stages overlapping them:
-  ``in_flight`` requests enter the pipeline together as micro-batches (1: one at a time, no
-  overlap). :func:`serve_reference` is one process answering them one by one.
-- :func:`cpu_wait_s` measures the time a rank was ready to run but had no CPU: a pipeline
-  overlaps its stages only when each has a core, which a shared machine does not always give.
-  :func:`cores_are_free` asks that question before a timing claim is checked: every rank runs a
-  one-thread compute burst at once and reports the share of it lost waiting for a CPU.
+- Serving is in :mod:`dmlbook.model_parallel.pipeline_serving` (:func:`serve_pipelined`,
+  :func:`serve_reference`), and the CPU-wait probes that tell whether a timing says anything
+  on a shared machine in :mod:`dmlbook.cpu_wait`: :func:`cpu_wait_fraction` is the share of a
+  pipelined run's step time its ranks lost waiting for a CPU. This module gives their names too,
+  so that a notebook imports one module for the chapter.
 - :func:`unbalanced_mlp` is a model whose layers differ a lot in cost, for balancing.
 """
 
@@ -32,7 +30,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +39,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from dmlbook.comm.groups import barrier, group_rank_size
+from dmlbook.cpu_wait import cores_are_free, cpu_wait_in_burst, cpu_wait_s
 from dmlbook.datasets import char_blocks
-from dmlbook.launch import device as rank_device
 from dmlbook.model_parallel import pipeline as pp
+from dmlbook.model_parallel.layer_split import _stage_of
+from dmlbook.model_parallel.pipeline_serving import ServeResult, serve_pipelined, serve_reference
 
 __all__ = [
     "PipelinedTrainer",
@@ -90,92 +90,12 @@ class TrainResult:
         return self.timelines[-1] if self.timelines else []
 
 
-@dataclass
-class ServeResult:
-    """What one stage (or the single process) saw while serving a stream of requests."""
-
-    stage: int
-    outputs: list[torch.Tensor] | None  # one output per request: last stage only
-    latencies: list[float] | None  # seconds from a request's window start to its output
-    total_s: float  # wall time for the whole stream
-    timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
-    cpu_wait: float = 0.0  # seconds lost waiting for a CPU during the stream (see cpu_wait_s)
-
-
 # ---- Helpers ----------------------------------------------------------------------------------
 
 
 def next_token_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy for classifier outputs (N, C) and for language-model logits (B, T, V)."""
     return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
-
-
-def _pipeline_group(group) -> tuple[int, int]:
-    """(rank, size) in the pipeline group; (0, 1) when no process group is running."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
-def _barrier(group, size: int) -> None:
-    if size > 1:
-        dist.barrier(group=group)
-
-
-def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):
-    """This rank's stage module and the split, checked against the group's size."""
-    layers = pp.layers_of(model)
-    counts = list(counts) if counts is not None else pp.even_partition(len(layers), size)
-    if len(counts) != size:
-        raise ValueError(f"counts {counts} name {len(counts)} stages, but the group has {size}")
-    return pp.split_model(layers, counts)[rank], counts
-
-
-def cpu_wait_s() -> float:
-    """Seconds this process's threads have so far spent ready to run but waiting for a CPU (the
-    run-queue delay in Linux's /proc/<pid>/task/*/schedstat); 0.0 where that is not available.
-    Other work on the machine shows up here: time a stage lost, not time it chose to wait."""
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                total += int(f.read().split()[1])  # on-cpu ns, run-queue ns, time slices
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return total / 1e9
-
-
-def _thread_wait_s() -> float:
-    """:func:`cpu_wait_s` for the calling thread alone: a share of its wall time is at most 1."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def cpu_wait_in_burst(seconds: float = 0.3, group: dist.ProcessGroup | None = None) -> float:
-    """Every rank of ``group`` runs a one-thread matrix-multiply burst at the same time; returns
-    the largest share of the burst (0 to 1) any rank's thread spent ready to run but without a
-    CPU (see :func:`cpu_wait_s`). About 0.0-0.05 when each rank has a core of its own; more
-    when other work shares the cores, and then any timing of a pipeline's overlap says little."""
-    rank, size = _pipeline_group(group)
-    a = torch.randn(256, 256)
-    _barrier(group, size)
-    waited, start = _thread_wait_s(), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ a
-    share = torch.tensor(
-        [(_thread_wait_s() - waited) / (time.perf_counter() - start)], device=rank_device()
-    )
-    if size > 1:
-        dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)
-    return share.item()
-
-
-def cores_are_free(threshold: float = 0.15, seconds: float = 0.3, group=None) -> bool:
-    """True when no rank lost more than ``threshold`` of a compute burst waiting for a CPU."""
-    return cpu_wait_in_burst(seconds, group) < threshold
 
 
 def _named_state(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -265,7 +185,7 @@ class PipelinedTrainer:
         optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.rank, self.size = _pipeline_group(group)
+        self.rank, self.size = group_rank_size(group)
         self.model = model_fn()
         self.module, self.counts = _stage_of(self.model, counts, self.rank, self.size)
         self.stage = pp.PipelineStage(self.module, self.rank, self.size, group=group)
@@ -281,7 +201,7 @@ class PipelinedTrainer:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> pp.StepResult:
         """One training step on one batch (every rank passes the same batch; the first stage
         uses the inputs, the last the targets), then this stage's own optimizer step."""
-        _barrier(self.group, self.size)  # every stage starts the step together: honest times
+        barrier(self.group)  # every stage starts the step together: honest times
         start, waited = time.perf_counter(), cpu_wait_s()
         self.optimizer.zero_grad()
         stage = self.stage
@@ -432,80 +352,3 @@ def lm_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
     losses = [model(x, y)[1].item() for x, y in batches]
     model.train(was_training)
     return sum(losses) / len(losses)
-
-
-# ---- Serving --------------------------------------------------------------------------------
-
-
-def _windows(n: int, in_flight: int) -> list[range]:
-    if in_flight < 1:
-        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-    return [range(i, min(i + in_flight, n)) for i in range(0, n, in_flight)]
-
-
-def _check_requests(requests: Sequence[torch.Tensor]) -> None:
-    if not len(requests):
-        raise ValueError("no requests to serve")
-    shapes = {tuple(r.shape) for r in requests}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"every request must have the same shape to share micro-batches, got {sorted(shapes)}"
-        )
-
-
-def _logits(outputs):
-    return outputs[0] if isinstance(outputs, tuple) else outputs
-
-
-def serve_pipelined(
-    model_fn: Callable[[], nn.Module],
-    counts: Sequence[int] | None,
-    requests: Sequence[torch.Tensor],
-    in_flight: int = 1,
-    group: dist.ProcessGroup | None = None,
-) -> ServeResult:
-    """Answer ``requests`` (equal shapes; each is one micro-batch) in arrival order through a
-    pipeline: ``in_flight`` requests enter together, one micro-batch each, so stage 1 works on
-    request i while stage 0 already works on request i + 1. ``in_flight=1`` sends one request at
-    a time: no overlap. A request's latency runs from the start of its window (when it was taken
-    up) to its output leaving the last stage."""
-    _check_requests(requests)
-    windows = _windows(len(requests), in_flight)
-    rank, size = _pipeline_group(group)
-    model = model_fn().eval()
-    module, _ = _stage_of(model, counts, rank, size)
-    stage = pp.PipelineStage(module, rank, size, group=group)
-    outputs, latencies, timelines = [], [], []
-    _barrier(group, size)
-    start, waited = time.perf_counter(), cpu_wait_s()
-    for window in windows:
-        batch = torch.cat([requests[i] for i in window]) if stage.is_first else None
-        result = stage.infer(batch, microbatches=len(window))  # starts at a common t0
-        timelines.append(result.timeline)
-        if stage.is_last:
-            outputs += list(result.outputs.cpu().chunk(len(window)))
-            latencies += [r.end for r in result.timeline]  # since the window's t0
-    _barrier(group, size)
-    total = time.perf_counter() - start
-    return ServeResult(
-        stage=rank,
-        outputs=outputs if stage.is_last else None,
-        latencies=latencies if stage.is_last else None,
-        total_s=total,
-        timelines=timelines,
-        cpu_wait=cpu_wait_s() - waited,
-    )
-
-
-@torch.no_grad()
-def serve_reference(model: nn.Module, requests: Sequence[torch.Tensor]) -> ServeResult:
-    """One process answers the requests one at a time: latency is one whole-model forward."""
-    _check_requests(requests)
-    model.eval()
-    outputs, latencies = [], []
-    start = time.perf_counter()
-    for request in requests:
-        taken_up = time.perf_counter()
-        outputs.append(_logits(model(request)))
-        latencies.append(time.perf_counter() - taken_up)
-    return ServeResult(0, outputs, latencies, time.perf_counter() - start)

@@ -1,29 +1,15 @@
-"""Several hosts on one machine: network namespaces on a shared switch, links shaped with tc.
+"""The network lab's hosts: make them, run commands and torchrun jobs on them, remove them.
 
-Chapter 3 runs data-parallel training under ``torchrun --nnodes 2`` across two such hosts, which
-is what "several machines" really means; chapter 4 sets the links' bandwidth to study
-communication bottlenecks. Each host is a Linux network namespace ``<prefix>-h<i>`` whose
-``eth0`` (address ``10.213.0.<i+1>``) is one end of a veth pair; the other end is a port of a
-bridge inside a switch namespace ``<prefix>-sw``. Nothing is created in the machine's own
-namespace, so the lab's subnet is unreachable from, and never routed to, the outside.
-
-With ``second_bandwidth`` every host also gets ``eth1`` (``10.213.0.<i+129>``) on a second
-bridge: two links of different rates between the same hosts, for chapter 4's hybrid transfer.
-Each link is shaped in both directions (the host's ``eth0`` and its switch port): ``tbf`` limits
-the rate; ``netem`` adds delay and loss where the kernel has it.
-
-    python -m dmlbook.netlab up --hosts 2 --bandwidth 1gbit [--delay 0.2ms] [--loss 0.1]
-    python -m dmlbook.netlab status
-    python -m dmlbook.netlab run h0 -- python -c "print('hello from h0')"
-    python -m dmlbook.netlab down
-
-From Python, ``with Lab(hosts=2, bandwidth="1gbit") as lab: lab.run("h1", [...])`` always tears
-the hosts down, even on error. Needs root and iproute2 (``ip``, ``tc``).
+:class:`Lab` is N hosts (network namespaces) on one switch namespace, each link shaped with tc;
+``with Lab(...) as lab:`` always tears them down. :func:`down` removes a lab's namespaces, even
+one an interrupted run left behind, and :func:`status` shows them. Chapter 4 shapes the links and
+times all-reduces across the hosts, chapter 13 times layouts on them, and chapters 3 and 11 send
+the reader to the tests that run torchrun jobs on them and kill a host; the package docstring
+(:mod:`dmlbook.netlab`) explains the wiring.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 __all__ = [
@@ -42,7 +27,6 @@ __all__ = [
     "parse_rate",
     "parse_time",
     "status",
-    "tcp_throughput",
     "SUBNET",
 ]
 
@@ -364,162 +348,3 @@ def _describe_qdisc(line: str) -> str:
     parts = line.split()
     rest = parts[parts.index("refcnt") + 2 :] if "refcnt" in parts else parts[4:]
     return " ".join([parts[1], *rest]) if parts[1] != "noqueue" else "unshaped"
-
-
-TCP_SERVER = """
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n, start = 0, None
-while b := c.recv(1 << 20):
-    start = start or time.perf_counter(); n += len(b)
-print(n * 8 / (time.perf_counter() - start))
-"""
-TCP_CLIENT = """
-import socket, sys, time
-c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); block = bytes(1 << 16)
-end = time.perf_counter() + float(sys.argv[3])
-while time.perf_counter() < end:
-    c.sendall(block)
-c.close()
-"""
-
-
-def tcp_throughput(
-    lab: Lab, src: str | int, dst: str | int, seconds: float = 1.5, link: int = 0
-) -> float:
-    """Bits per second that one TCP stream carries from ``src`` to ``dst`` over ``link``."""
-    addr, port = lab.address(dst, link), "5201"
-    server = lab.popen(
-        dst, [sys.executable, "-c", TCP_SERVER, addr, port], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        server.stdout.readline()  # "ready"
-        lab.run(
-            src,
-            [sys.executable, "-c", TCP_CLIENT, addr, port, str(seconds)],
-            check=True,
-            timeout=seconds + 30,
-        )
-        return float(server.communicate(timeout=30)[0])
-    finally:
-        server.kill()
-        server.wait()
-
-
-SIZED_SERVER = """
-import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n = 0
-while b := c.recv(1 << 20):
-    n += len(b)
-c.close(); print(n)
-"""
-SIZED_CLIENT = """
-import socket, sys, time
-addr, port, nbytes, start_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-c = socket.create_connection((addr, port)); block = bytes(1 << 16)
-time.sleep(max(0.0, start_at - time.time()))
-sent = 0
-while sent < nbytes:
-    sent += c.send(block[: min(len(block), nbytes - sent)])
-c.shutdown(socket.SHUT_WR)
-c.recv(1)  # returns when the receiver has read everything and closed: the transfer is over
-print(time.time() - start_at)
-"""
-
-
-def split_transfer(lab: Lab, src: str | int, dst: str | int, sizes: list[int]) -> list[float]:
-    """Send ``sizes[link]`` bytes from ``src`` to ``dst`` over each link *at the same moment*
-    (chapter 4's hybrid data transfer: one message split over two links); returns the seconds
-    each part took, from the common start until its last byte was received."""
-    if len(sizes) > (2 if lab.second_bandwidth else 1):
-        raise ValueError(
-            f"{len(sizes)} parts but the lab has {1 + bool(lab.second_bandwidth)} link(s)"
-        )
-    servers, clients = [], []
-    try:
-        for link, _ in enumerate(sizes):
-            addr = lab.address(dst, link)
-            server = lab.popen(
-                dst,
-                [sys.executable, "-c", SIZED_SERVER, addr, str(5301 + link)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            servers.append(server)
-            server.stdout.readline()  # "ready"
-        start_at = time.time() + 0.5  # every client connects first, then all start together
-        for link, nbytes in enumerate(sizes):
-            cmd = [
-                sys.executable,
-                "-c",
-                SIZED_CLIENT,
-                lab.address(dst, link),
-                str(5301 + link),
-                str(nbytes),
-                str(start_at),
-            ]
-            clients.append(lab.popen(src, cmd, stdout=subprocess.PIPE, text=True))
-        seconds = [float(c.communicate(timeout=120)[0]) for c in clients]
-        received = [int(s.communicate(timeout=30)[0]) for s in servers]
-        if received != list(sizes):
-            raise NetlabError(f"sent {list(sizes)} bytes but {received} arrived")
-        return seconds
-    finally:
-        for proc in servers + clients:
-            proc.kill()
-            proc.wait()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dmlbook.netlab",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--prefix", default="dmlbook", help="namespace name prefix")
-    sub = parser.add_subparsers(dest="verb", required=True)
-    up = sub.add_parser("up", help="create the hosts")
-    up.add_argument("--hosts", type=int, required=True)
-    up.add_argument("--bandwidth", help="rate of each link, e.g. 1gbit")
-    up.add_argument("--delay", help="one-way delay at each link end, e.g. 0.2ms (needs netem)")
-    up.add_argument("--loss", type=float, help="percent of packets lost (needs netem)")
-    up.add_argument("--second-bandwidth", help="add a second link per host (eth1) at this rate")
-    sub.add_parser("down", help="remove the hosts")
-    sub.add_parser("status", help="show the hosts")
-    run = sub.add_parser("run", help="run a command inside a host: run h0 -- CMD ...")
-    run.add_argument("host")
-    run.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    try:
-        if args.verb == "up":
-            lab = Lab(
-                args.hosts,
-                args.bandwidth,
-                args.delay,
-                args.loss,
-                args.prefix,
-                args.second_bandwidth,
-            ).up()
-            print(status(lab.prefix))
-        elif args.verb == "down":
-            print("removed", " ".join(down(args.prefix)) or "nothing")
-        elif args.verb == "status":
-            print(status(args.prefix))
-        else:
-            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            ns = f"{args.prefix}-{args.host}"
-            if ns not in _namespaces():
-                raise NetlabError(f"no host {args.host!r} (namespace {ns}); see `status`")
-            hosts = sum(1 for n in _namespaces() if re.fullmatch(rf"{args.prefix}-h\d+", n))
-            return Lab(max(hosts, 1), prefix=args.prefix).run(args.host, cmd).returncode
-    except (NetlabError, ValueError) as e:
-        print(f"netlab: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Model-parallel serving: a stream of requests through pipeline stages that overlap (chapter 7).
+
+Chapter 7 ("Model-parallel training and serving workflows") ends by serving the model it
+fine-tuned. :func:`serve_pipelined` is a *rank function* for ``dmlbook.launch.run(fn, P, ...)``:
+rank s builds the whole model, keeps stage s (chapter 6's layer split,
+:mod:`dmlbook.model_parallel.layer_split`) and runs it forward only
+(:meth:`dmlbook.model_parallel.pipeline.PipelineStage.infer`). ``in_flight`` requests enter the
+pipeline together as micro-batches, so that stage 1 works on one request while stage 0 already
+works on the next (1: one at a time, no overlap). :func:`serve_reference` is one process answering
+them one by one. Both report each request's latency and the stream's wall time
+(:class:`ServeResult`), and the time the stage lost waiting for a CPU (:mod:`dmlbook.cpu_wait`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmlbook.comm.groups import barrier, group_rank_size
+from dmlbook.cpu_wait import cpu_wait_s
+from dmlbook.model_parallel import pipeline as pp
+from dmlbook.model_parallel.layer_split import _stage_of
+
+__all__ = ["ServeResult", "serve_pipelined", "serve_reference"]
+
+
+@dataclass
+class ServeResult:
+    """What one stage (or the single process) saw while serving a stream of requests."""
+
+    stage: int
+    outputs: list[torch.Tensor] | None  # one output per request: last stage only
+    latencies: list[float] | None  # seconds from a request's window start to its output
+    total_s: float  # wall time for the whole stream
+    timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
+    cpu_wait: float = 0.0  # seconds lost waiting for a CPU during the stream (see cpu_wait_s)
+
+
+def _windows(n: int, in_flight: int) -> list[range]:
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    return [range(i, min(i + in_flight, n)) for i in range(0, n, in_flight)]
+
+
+def _check_requests(requests: Sequence[torch.Tensor]) -> None:
+    if not len(requests):
+        raise ValueError("no requests to serve")
+    shapes = {tuple(r.shape) for r in requests}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"every request must have the same shape to share micro-batches, got {sorted(shapes)}"
+        )
+
+
+def _logits(outputs):
+    return outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+def serve_pipelined(
+    model_fn: Callable[[], nn.Module],
+    counts: Sequence[int] | None,
+    requests: Sequence[torch.Tensor],
+    in_flight: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> ServeResult:
+    """Answer ``requests`` (equal shapes; each is one micro-batch) in arrival order through a
+    pipeline: ``in_flight`` requests enter together, one micro-batch each, so stage 1 works on
+    request i while stage 0 already works on request i + 1. ``in_flight=1`` sends one request at
+    a time: no overlap. A request's latency runs from the start of its window (when it was taken
+    up) to its output leaving the last stage."""
+    _check_requests(requests)
+    windows = _windows(len(requests), in_flight)
+    rank, size = group_rank_size(group)
+    model = model_fn().eval()
+    module, _ = _stage_of(model, counts, rank, size)
+    stage = pp.PipelineStage(module, rank, size, group=group)
+    outputs, latencies, timelines = [], [], []
+    barrier(group)
+    start, waited = time.perf_counter(), cpu_wait_s()
+    for window in windows:
+        batch = torch.cat([requests[i] for i in window]) if stage.is_first else None
+        result = stage.infer(batch, microbatches=len(window))  # starts at a common t0
+        timelines.append(result.timeline)
+        if stage.is_last:
+            outputs += list(result.outputs.cpu().chunk(len(window)))
+            latencies += [r.end for r in result.timeline]  # since the window's t0
+    barrier(group)
+    total = time.perf_counter() - start
+    return ServeResult(
+        stage=rank,
+        outputs=outputs if stage.is_last else None,
+        latencies=latencies if stage.is_last else None,
+        total_s=total,
+        timelines=timelines,
+        cpu_wait=cpu_wait_s() - waited,
+    )
+
+
+@torch.no_grad()
+def serve_reference(model: nn.Module, requests: Sequence[torch.Tensor]) -> ServeResult:
+    """One process answers the requests one at a time: latency is one whole-model forward."""
+    _check_requests(requests)
+    model.eval()
+    outputs, latencies = [], []
+    start = time.perf_counter()
+    for request in requests:
+        taken_up = time.perf_counter()
+        outputs.append(_logits(model(request)))
+        latencies.append(time.perf_counter() - taken_up)
+    return ServeResult(0, outputs, latencies, time.perf_counter() - start)
