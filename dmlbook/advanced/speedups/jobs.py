@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dmlbook.comm.groups import group_rank_size
+from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.data_parallel import (
     broadcast_parameters,
     checkpoint,
@@ -137,7 +136,7 @@ def run_alone(job: Job, steps: int, group=None) -> JobRun:
     """Rank function: train ``job`` for ``steps`` steps with the ranks to itself."""
     _check_steps(steps)
     state = _JobState(job, group)
-    _barrier(group)
+    barrier(group)
     start = time.perf_counter()
     state.train(steps)
     elapsed = time.perf_counter() - start
@@ -158,7 +157,7 @@ def run_multiplexed(
         raise ValueError(f"run_multiplexed needs jobs with distinct names, got {names}")
     states = [_JobState(job, group) for job in jobs]
     slices = []
-    _barrier(group)
+    barrier(group)
     start = time.perf_counter()
     while any(s.step < steps for s in states):
         for s in states:
@@ -172,11 +171,6 @@ def run_multiplexed(
         for s in states
     ]
     return MultiplexRun(runs, wall, slices)
-
-
-def _barrier(group=None) -> None:
-    if group_rank_size(group)[1] > 1:
-        dist.barrier(group=group)
 
 
 def train_job(job: Job, steps: int, checkpoint_dir: str | os.PathLike, group=None) -> JobRun:
@@ -195,7 +189,7 @@ def train_job(job: Job, steps: int, checkpoint_dir: str | os.PathLike, group=Non
         state.step = resumed_from = loaded.progress.step
         if state.step > steps:
             raise ValueError(f"{path} is already at step {state.step}, past steps={steps}")
-    _barrier(group)
+    barrier(group)
     start = time.perf_counter()
     state.train(steps - state.step)
     elapsed = time.perf_counter() - start

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.comm.groups import group_rank_size
+from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.launch import device
 
 FORMAT = "dmlbook.data_parallel.checkpoint/1"
@@ -47,11 +47,6 @@ class Checkpoint:
     extra: dict  # the caller's own values (learning-rate schedule, best accuracy, ...)
     world_size: int  # how many ranks saved it
     rng_restored: bool  # whether this rank's RNG state came from the checkpoint
-
-
-def _barrier(group=None) -> None:
-    if group_rank_size(group)[1] > 1:
-        dist.barrier(group=group)  # communication
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -181,7 +176,7 @@ def save(
             extra=extra,
         )
         atomic_save(checkpoint, path)
-    _barrier(group)  # nobody moves on (or crashes) before the checkpoint is on disk
+    barrier(group)  # nobody moves on (or crashes) before the checkpoint is on disk
     return Path(path)
 
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dmlbook.comm.groups import group_rank_size
+from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.data_parallel.checkpoint.files import (
-    _barrier,
     _fsync_directory,
     _mismatches,
 )
@@ -51,7 +50,7 @@ def save_sharded(
     partial = directory.with_name(f".{directory.name}.partial")
     if group_rank_size(group)[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a save killed earlier left
-    _barrier(group)
+    barrier(group)
     # Keyed by parameter name; a sharded model's tensors are DTensors that know their part.
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else [optimizer])
     state = {"model": model_state, "optimizer": optim_state}
@@ -64,7 +63,7 @@ def save_sharded(
         partial.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_directory(directory.parent)
-    _barrier(group)
+    barrier(group)
     return directory
 
 
