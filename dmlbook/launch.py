@@ -45,11 +45,13 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import _shipping
+from dmlbook._rank_process import exit_now
 
 __all__ = [
     "run",
     "Ranks",  # noqa: F822 (imported on first use, by __getattr__ below)
     "device",
+    "exit_now",
     "free_port",
     "threads_per_rank",
     "RankError",

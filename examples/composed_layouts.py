@@ -15,7 +15,7 @@ import os
 
 from dmlbook.advanced.composed import time_layouts
 from dmlbook.advanced.planner import netlab_batches, netlab_model, parse_layout
-from dmlbook.launch import run
+from dmlbook.launch import exit_now, run
 
 
 def main() -> None:
@@ -37,3 +37,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # skip the interpreter's teardown of torch (see launch.exit_now)

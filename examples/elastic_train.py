@@ -24,6 +24,7 @@ import argparse
 import os
 
 from dmlbook.advanced.elastic import ElasticConfig, train_worker
+from dmlbook.launch import exit_now
 
 
 def main() -> None:
@@ -62,3 +63,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # skip the interpreter's teardown of torch (see launch.exit_now)

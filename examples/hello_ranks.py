@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dmlbook.launch import device, run
+from dmlbook.launch import device, exit_now, run
 
 
 def whoami() -> tuple[int, int, int]:
@@ -34,3 +34,4 @@ if __name__ == "__main__":
     results = run(whoami, world_size)
     # One write per line: under torchrun every rank shares the terminal.
     sys.stdout.write(f"rank {os.environ.get('RANK', 'caller')} results {results}\n")
+    exit_now()  # skip the interpreter's teardown of torch (see launch.exit_now)

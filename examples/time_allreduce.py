@@ -15,7 +15,7 @@ import os
 
 from dmlbook.bench.allreduce import parse_size, time_all_reduces
 from dmlbook.comm import collectives
-from dmlbook.launch import run
+from dmlbook.launch import exit_now, run
 
 
 def main() -> None:
@@ -40,3 +40,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # skip the interpreter's teardown of torch (see launch.exit_now)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dmlbook import data_parallel as dp
 from dmlbook import models
 from dmlbook.datasets import load_digits
-from dmlbook.launch import device, run
+from dmlbook.launch import device, exit_now, run
 
 SETTINGS = dict(global_batch=64, lr=0.1, epochs=2, seed=0)
 
@@ -69,3 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # skip the interpreter's teardown of torch (see launch.exit_now)
