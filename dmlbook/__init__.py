@@ -4,11 +4,11 @@ The package follows the book's sections; every module's docstring names the chap
 teaches it.
 
 * the runtime: ``launch`` runs a rank function on N processes, or in place under torchrun
-  (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11)
+  (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11, 13)
 * ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group, the block
   of a size it owns), ``trace`` (recording traffic), ``collectives`` (every collective from
-  send/recv, chapters 2 and 4), ``costmodel`` (alpha-beta), ``compression`` (chapter 4),
-  ``alltoall`` (chapter 13)
+  send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in ``p2p``),
+  ``costmodel`` (alpha-beta), ``compression`` (chapter 4), ``alltoall`` (chapter 13)
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
   scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
   ``serving`` (data-parallel inference), ``tuning``

@@ -73,7 +73,7 @@ def exit_now(code: int = 0) -> NoReturn:
     meet one of torch's gloo threads and abort the process (SIGABRT, "terminate called without an
     active exception"): seen here once in 20 two-node runs of chapter 3's job on a loaded machine,
     after every rank had done its work, and torchrun then reports the whole job failed.
-    ``run``'s own ranks leave this way too (``dmlbook.launch.exit_now``).
+    Public as ``dmlbook.launch.exit_now``; ``run``'s own ranks leave through it too (:func:`_exit`).
     """
     for stream in (sys.stdout, sys.stderr):
         try:

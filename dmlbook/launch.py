@@ -11,7 +11,8 @@ A *rank function* is a plain function that uses ``torch.distributed``. The same 
   ``DMLBOOK_START=spawn`` each is a fresh interpreter;
 * under ``torchrun --nnodes N --nproc-per-node M script.py`` on many machines: ``run`` sees the
   ``RANK``/``WORLD_SIZE`` that torchrun set, initialises from the environment and calls ``fn`` in
-  place.
+  place. End such a script with :func:`exit_now`, as ``examples/`` do: the interpreter's teardown
+  of torch can abort a rank after its work is done, and torchrun would fail the job.
 
 Functions travel by :mod:`dmlbook._shipping`, which keeps each code object's file name and sends
 the source lines of notebook cells along, so a rank's traceback shows the user's lines whatever

@@ -7,10 +7,10 @@ answer must grade as failed, with the checker's message.
 
 from __future__ import annotations
 
-import ast
 import builtins
 import json
 import re
+import symtable
 from pathlib import Path
 
 import nbformat
@@ -110,26 +110,35 @@ def _plant_wrong_answer(cell):
     return cell
 
 
-def _names(cells) -> tuple[set[str], set[str]]:
-    """The names ``cells`` bind (assignments, definitions, imports, arguments) and those they
-    read, from their Python as IPython runs it (magics included)."""
+# What a notebook's kernel has without any cell binding it.
+KERNEL_NAMES = set(dir(builtins)) | {"get_ipython", "display"}
+
+
+def _unbound_reads(cells) -> list[str]:
+    """The names ``cells``, run in order, read before one of them binds (assigns, defines or
+    imports) them: at the top level of a cell, or as globals inside its functions and classes.
+    Each cell is read as IPython runs it (magics included), with :mod:`symtable`'s scopes."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    bound: set[str] = set()
-    read: set[str] = set()
-    for cell in cells:
-        if cell.cell_type != "code":
-            continue
-        for node in ast.walk(ast.parse(TransformerManager().transform_cell(cell.source))):
-            if isinstance(node, ast.Name):
-                (bound if isinstance(node.ctx, ast.Store | ast.Del) else read).add(node.id)
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                bound.add(node.name)
-            elif isinstance(node, ast.Import | ast.ImportFrom):
-                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, ast.arg):
-                bound.add(node.arg)
-    return bound, read
+    known, missing = set(KERNEL_NAMES), []
+    for index, cell in enumerate(c for c in cells if c.cell_type == "code"):
+        source = TransformerManager().transform_cell(cell.source)
+        table = symtable.symtable(source, f"code cell {index}", "exec")
+        known |= {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+        missing += [name for name in _global_reads(table) if name not in known]
+    return missing
+
+
+def _global_reads(table: symtable.SymbolTable):
+    """Names a scope and the scopes inside it read from the cell's top level."""
+    top = table.get_type() == "module"  # a str, or in Python 3.13 a StrEnum equal to it
+    for symbol in table.get_symbols():
+        if symbol.is_referenced() and (
+            not (symbol.is_assigned() or symbol.is_imported()) if top else symbol.is_global()
+        ):
+            yield symbol.get_name()
+    for child in table.get_children():
+        yield from _global_reads(child)
 
 
 def _first_code_cell(notebook):
@@ -144,12 +153,10 @@ def test_the_exercises_come_last_and_need_only_the_first_code_cell(path):
     and the first cell's imports. nbval runs the body, the same in both copies, from the top."""
     notebook = nbformat.read(path, as_version=4)
     exercises = _exercise_cells(notebook)
-    assert all(
-        _nbgrader(c) == {} for c in notebook.cells[: len(notebook.cells) - len(exercises)]
-    ), "every nbgrader cell belongs to the exercise section at the end"
-    bound, read = _names(exercises)
-    imports, _ = _names([_first_code_cell(notebook)])
-    missing = sorted(read - bound - imports - set(dir(builtins)))
+    assert all(_nbgrader(c) for c in exercises if c.cell_type == "code"), (
+        f"{path.name}: a code cell of the chapter's body follows its first exercise"
+    )
+    missing = _unbound_reads([_first_code_cell(notebook), *exercises])
     assert missing == [], (
         f"the exercises of {path.name} read {missing} from the chapter's body: bind them in the "
         "first code cell or in the exercise section, so that the student copy's test holds"
@@ -162,7 +169,7 @@ def test_no_cell_finds_files_relative_to_its_notebook(path):
     scripts are found through the package (``dmlbook.datasets.EXAMPLES_DIR``), never ``../``."""
     for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
         if cell.cell_type == "code":
-            found = re.findall(r"""["'](\.\.?/[^"']*)["']""", cell.source)
+            found = re.findall(r"""["'](\.\.(?:/[^"']*)?|\./[^"']*)["']|os\.pardir""", cell.source)
             assert found == [], f"{path.name} cell {index} names {found} relative to its folder"
 
 

@@ -528,3 +528,17 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
         # the first candidate is the port someone listens on: it is skipped, the next is given
         monkeypatch.setattr(launch.random.Random, "sample", lambda self, r, k: [port, port - 1])
         assert launch.free_port() == port - 1
+
+
+def test_exit_now_flushes_what_was_printed_and_keeps_the_exit_code():
+    # output to a pipe is block-buffered: without the flush, os._exit would drop it
+    script = (
+        "import sys\nfrom dmlbook.launch import exit_now\n"
+        "print('to stdout'); print('to stderr', file=sys.stderr); exit_now(3)\n"
+        "print('never')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(launch.__file__).parents[1])},
+    )  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (3, "to stdout\n", "to stderr\n")

@@ -273,7 +273,7 @@ def _shift(x: torch.Tensor, recv_shape, direction: int, group, phase: str) -> to
         works.append(dist.irecv(out, glob(frm), group=group))
     if x.numel():
         nbytes = x.numel() * x.element_size()
-        trace.record(collectives.Send("ring_attention", phase, 0, glob(rank), glob(to), nbytes))
+        trace.record(trace.Send("ring_attention", phase, 0, glob(rank), glob(to), nbytes))
         works.append(dist.isend(x, glob(to), group=group))
     for work in works:
         work.wait()

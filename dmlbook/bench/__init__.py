@@ -1,4 +1,5 @@
-"""Benchmarks: each teaching implementation against torch's own, measured in the same run.
+"""Benchmarks: each teaching implementation against torch's own, measured in the same run (the
+numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its chapter).
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
     python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run

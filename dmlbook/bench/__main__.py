@@ -1,4 +1,5 @@
-"""``python -m dmlbook.bench ...``: the benchmark command line, :func:`dmlbook.bench.main`."""
+"""``python -m dmlbook.bench ...``: the benchmark command line, :func:`dmlbook.bench.main`; the
+measurements chapters 2, 3, 4, 6 and 13 and the README quote."""
 
 from dmlbook.bench import main
 

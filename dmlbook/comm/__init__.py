@@ -1,7 +1,8 @@
 """Communication: what every parallelism in the book is built on.
 
 * ``groups``: a rank's place in a group, and the block of a size each rank owns (every chapter)
-* ``trace``: recording what a rank sends, in one mechanism, and the ``Send`` record (2, 4, 9, 9b)
+* ``trace``: recording what a rank sends, in one mechanism, and the ``Send`` record (chapters 2,
+  4, 9, 9b and 13)
 * ``collectives``: every collective from point-to-point messages, with ``torch.distributed``'s
   signatures; ring, tree, recursive-doubling and naive all-reduce, and a ring with
   reduced-precision transfer (chapters 2 and 4)

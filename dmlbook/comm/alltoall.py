@@ -19,7 +19,7 @@ Three layers, as in :mod:`dmlbook.advanced.tensor_parallel`:
 * :func:`differentiable_all_to_all`: all-to-all forward, the reverse all-to-all backward (the
   splits swapped): the gradient of a row goes back to the rank it came from.
 
-Every message is recorded as a :class:`dmlbook.comm.collectives.Send` (collective
+Every message is recorded as a :class:`dmlbook.comm.trace.Send` (collective
 ``"all_to_all"``, phase ``"exchange"``), so ``with collectives.recording() as sends:`` counts the
 traffic; the check's all-gather of sizes is real traffic too, and shows as ``"all_gather"``.
 """
@@ -32,7 +32,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm import collectives, trace  # collectives.Send and all_gather, looked up late
+from dmlbook.comm import collectives, trace  # all_gather and Send, looked up late
 from dmlbook.comm.groups import group_rank_size
 
 __all__ = ["all_to_all_single", "differentiable_all_to_all", "exchange_sizes"]
@@ -165,7 +165,7 @@ def all_to_all_single(
         if in_splits[dst]:
             block = source[in_starts[dst] : in_starts[dst + 1]]
             trace.record(
-                collectives.Send(
+                trace.Send(
                     "all_to_all", "exchange", step, _global(group, rank), _global(group, dst),
                     block.numel() * block.element_size(),
                 )

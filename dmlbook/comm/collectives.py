@@ -49,6 +49,8 @@ from dmlbook.comm.algorithms import (
     _tree_reduce,
     chunk_holdings,
 )
+
+# A copy, for reading: to change how the ring slices, set algorithms.RING_SLICE_BYTES.
 from dmlbook.comm.algorithms import RING_SLICE_BYTES as RING_SLICE_BYTES
 from dmlbook.comm.p2p import (
     _DTYPES,

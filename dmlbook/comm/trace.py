@@ -1,11 +1,11 @@
 """Record what a rank communicates, for every chapter that counts traffic (2, 4, 9, 9b, 13).
 
-One mechanism for every kind of record. Code that communicates calls :func:`record` with an
-event (a :class:`Send` per message in chapter 2's collectives, chapter 13's all-to-all and ring
-attention; a :class:`~dmlbook.advanced.tensor_parallel.CommRecord` per collective in chapter 9's
-tensor-parallel layers); ``with recording(Send) as sends:`` collects, into ``sends``, the events
-of that kind recorded inside the block. The active recorders live in a context variable, not a
-module global: nested blocks each get their own list (an outer block also receives the inner
+One mechanism for every kind of record. Code that communicates calls :func:`record` with an event
+(a :class:`Send` per message in chapter 2's collectives, chapter 13's all-to-all and ring
+attention; a :class:`~dmlbook.advanced.tensor_parallel_comm.CommRecord` per collective in chapter
+9's tensor-parallel layers); ``with recording(Send) as sends:`` collects, into ``sends``, the
+events of that kind recorded inside the block. The active recorders live in a context variable, not
+a module global: nested blocks each get their own list (an outer block also receives the inner
 block's events), and another thread or asyncio task records only into its own blocks.
 
 Backward passes on CUDA run on autograd's device threads, which do not see the caller's context:

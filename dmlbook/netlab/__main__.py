@@ -1,4 +1,5 @@
-"""``python -m dmlbook.netlab up | down | status | run``: the network lab from the shell."""
+"""``python -m dmlbook.netlab up | down | status | run``: the network lab from the shell, for
+trying by hand what chapters 3, 4, 11 and 13 run on the lab's hosts."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ A worker's *clock* is how many gradients it has pushed. Each consistency model i
 object that answers the two questions the server asks:
 
 * ``bound``: a server answers a pull for clock ``c`` only when ``c`` is at most ``bound`` steps
-  ahead (0, k or infinity);
+  ahead of the slowest worker's clock (0, k or infinity). Under :class:`Synchronous` that means
+  the previous step must be applied, since its gradients are applied together;
 * ``on_arrival``: whether the server applies each gradient as it arrives, or holds a step's
   gradients until all of them are in and applies them together.
 
@@ -45,10 +46,12 @@ class BoundedStaleness:
     on_arrival: ClassVar[bool] = True
 
     def __post_init__(self):
-        if isinstance(self.bound, bool) or not isinstance(self.bound, int) or self.bound < 0:
-            raise ValueError(
-                f"BoundedStaleness(k) needs a whole number of steps k >= 0, got {self.bound!r}"
+        if isinstance(self.bound, bool) or not isinstance(self.bound, int):
+            raise TypeError(
+                f"BoundedStaleness(k) needs a whole number of steps k, got {self.bound!r}"
             )
+        if self.bound < 0:
+            raise ValueError(f"BoundedStaleness(k) needs k >= 0 steps, got {self.bound}")
 
 
 @dataclass(frozen=True)
