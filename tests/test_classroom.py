@@ -7,7 +7,10 @@ answer must grade as failed, with the checker's message.
 
 from __future__ import annotations
 
+import ast
 import builtins
+import importlib
+import inspect
 import json
 import re
 import symtable
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from IPython.core.inputtransformer2 import TransformerManager
 
 from dmlbook import classroom
 
@@ -278,3 +282,266 @@ def test_a_notebook_that_kills_its_kernel_or_hangs_is_reported_not_fatal(
     (exercise,) = grade.exercises
     assert exercise.status == "failed" and "cell 1 stopped the notebook" in exercise.message
     assert grade.seconds < timeout + 30
+
+
+# ----------------------------------------------------------------- no answer before its exercise
+
+SHOW_SOURCE = {"getsource", "getsourcelines", "show_source"}  # calls that print an object's code
+
+
+def _imports_namespace(notebook) -> dict:
+    """The names a notebook binds by its import statements and plain aliases (``x = mod.y``),
+    run in order: enough to resolve what a cell shows the source of, or what a checker is."""
+    namespace: dict = {}
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        for node in ast.parse(TransformerManager().transform_cell(cell.source)).body:
+            alias = (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Attribute | ast.Name)
+            )
+            if isinstance(node, ast.Import | ast.ImportFrom) or alias:
+                try:
+                    exec(compile(ast.Module([node], []), "<imports>", "exec"), namespace)
+                except (AttributeError, NameError):
+                    pass  # an alias of something a cell computes: not a library object
+    return namespace
+
+
+def _shown_sources(cell, namespace) -> list[tuple[str, object]]:
+    """What ``cell`` prints the source of: (expression, the object it names). A call inside a
+    ``for name in <library objects>:`` loop names each of them in turn."""
+    tree = ast.parse(TransformerManager().transform_cell(cell.source))
+    return [shown for statement in tree.body for shown in _shown_in(statement, [dict(namespace)])]
+
+
+def _shown_in(node, scopes: list[dict]) -> list[tuple[str, object]]:
+    if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+        try:
+            items = list(eval(ast.unparse(node.iter), scopes[0]))
+        except Exception:  # noqa: BLE001 (a loop over computed values: read it as it stands)
+            items = None
+        if items is not None:
+            scopes = [{**scope, node.target.id: item} for scope in scopes for item in items]
+    shown = []
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name in SHOW_SOURCE:
+            expression = ast.unparse(node.args[0])
+            for scope in scopes:
+                try:
+                    shown.append((expression, eval(expression, scope)))
+                except Exception as e:  # noqa: BLE001 (say which, below)
+                    raise AssertionError(
+                        f"cannot tell what `{ast.unparse(node)}` shows ({e}): name it through "
+                        "an import or an alias of one, so this check can see it"
+                    ) from e
+    for child in ast.iter_child_nodes(node):
+        shown += _shown_in(child, scopes)
+    return shown
+
+
+def _library_objects_used_by(check) -> set[int]:
+    """The ids of the dmlbook objects (outside the checkers) that a checker reads: globals and
+    attribute chains in its code, its nested functions' and the exercise helpers' it calls. The
+    checker's reference answer is among them."""
+    import dis
+    import types
+
+    found: dict[int, object] = {}
+    seen_code: set[int] = set()
+    todo = [inspect.unwrap(check)]
+    while todo:
+        function = todo.pop()
+        codes, globals_ = [function.__code__], function.__globals__
+        while codes:
+            code = codes.pop()
+            if id(code) in seen_code:
+                continue
+            seen_code.add(id(code))
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            value = None
+            for instruction in dis.get_instructions(code):
+                if instruction.opname == "LOAD_GLOBAL":
+                    value = globals_.get(instruction.argval)
+                elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and value is not None:
+                    value = getattr(value, instruction.argval, None)
+                else:
+                    value = None
+                    continue
+                module = getattr(value, "__module__", None) or ""
+                if isinstance(value, types.ModuleType) or not module.startswith("dmlbook"):
+                    continue
+                if module.startswith("dmlbook.exercises"):
+                    if isinstance(value, types.FunctionType) and id(value) not in found:
+                        found[id(value)] = value
+                        todo.append(value)
+                else:
+                    found[id(value)] = value
+    return {key for key, value in found.items() if not _is_exercise_helper(value)}
+
+
+def _is_exercise_helper(value) -> bool:
+    return (getattr(value, "__module__", "") or "").startswith("dmlbook.exercises")
+
+
+def _checks(cell, namespace) -> list:
+    """The checker functions a checker cell calls (``chXX.check_something(answer)``)."""
+    checks = []
+    for node in ast.walk(ast.parse(cell.source)):
+        if isinstance(node, ast.Call):
+            try:
+                target = eval(ast.unparse(node.func), dict(namespace))
+            except Exception:  # noqa: BLE001 (the learner's own names)
+                continue
+            if hasattr(target, "exercise") and hasattr(target, "__wrapped__"):
+                checks.append(target)
+    return checks
+
+
+def answers_shown_early(notebook) -> list[str]:
+    """Each exercise whose answer a cell before the exercises prints: the reference a checker
+    compares against, shown with ``inspect.getsource`` (or a helper that prints code)."""
+    namespace = _imports_namespace(notebook)
+    exercises = _exercise_cells(notebook)
+    body = notebook.cells[: len(notebook.cells) - len(exercises)]
+    shown = [
+        (index, expression, obj)
+        for index, cell in enumerate(body)
+        if cell.cell_type == "code"
+        for expression, obj in _shown_sources(cell, namespace)
+    ]
+    found = []
+    for cell in exercises:
+        if not (cell.cell_type == "code" and _nbgrader(cell).get("grade")):
+            continue
+        for check in _checks(cell, namespace):
+            used = _library_objects_used_by(check)
+            for index, expression, obj in shown:
+                if id(inspect.unwrap(obj)) in used or id(obj) in used:
+                    found.append(
+                        f"cell {index} prints the source of {expression}, which "
+                        f"{check.__name__} (exercise {check.exercise!r}) checks the answer against"
+                    )
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_cell_before_an_exercise_prints_its_answer(path):
+    """A learner who reads the chapter top to bottom meets each exercise before its answer:
+    no cell of the body prints the source of what an exercise's checker compares the answer
+    with (issue 22: chapter 6 printed ``one_f_one_b_schedule`` six cells before exercise 1)."""
+    notebook = nbformat.read(path, as_version=4)
+    assert answers_shown_early(notebook) == []
+
+
+def test_an_answer_printed_early_is_found():
+    """The check above is not vacuous: printing exercise 1's reference before it is caught."""
+    path = next(p for p in NOTEBOOKS if p.name.startswith("06_"))
+    notebook = nbformat.read(path, as_version=4)
+    namespace = _imports_namespace(notebook)
+    first_checker = next(
+        c for c in _exercise_cells(notebook) if c.cell_type == "code" and _nbgrader(c).get("grade")
+    )
+    (check,) = _checks(first_checker, namespace)
+    module = importlib.import_module(check.__module__)
+    reference = next(
+        name
+        for name in _module_level_names(notebook, namespace)
+        if id(_lookup(namespace, name)) in _library_objects_used_by(check)
+    )
+    before = answers_shown_early(notebook)
+    planted = nbformat.v4.new_code_cell(f"import inspect\nprint(inspect.getsource({reference}))")
+    notebook.cells.insert(1, planted)
+    found = [line for line in answers_shown_early(notebook) if line.startswith("cell 1 ")]
+    assert len(found) == 1 and reference in found[0], (module.__name__, found)
+    assert len(answers_shown_early(notebook)) == len(before) + 1
+
+
+def _module_level_names(notebook, namespace) -> list[str]:
+    """``alias.attr`` for every public function or class of each dmlbook module the notebook
+    imports under an alias: candidates for a planted ``getsource``."""
+    import types
+
+    names = []
+    for alias, value in namespace.items():
+        if isinstance(value, types.ModuleType) and value.__name__.startswith("dmlbook"):
+            if value.__name__.startswith("dmlbook.exercises"):
+                continue
+            for attr, member in vars(value).items():
+                public = not attr.startswith("_")
+                if public and (inspect.isfunction(member) or inspect.isclass(member)):
+                    names.append(f"{alias}.{attr}")
+    return names
+
+
+def _lookup(namespace, dotted: str):
+    alias, attr = dotted.split(".", 1)
+    return getattr(namespace[alias], attr)
+
+
+# ------------------------------------------------------------------- what a student copy holds
+
+INSTRUCTOR_TEXT = re.compile(
+    r"instructor|student (copy|copies|version)|BEGIN (SOLUTION|HIDDEN TESTS)|END SOLUTION",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_student_copy_holds_no_solution_and_no_instructor_text(path):
+    """What a learner receives: no hidden test is left, no text cell quotes a line of a solution
+    (stubbing removes the solutions from the code cells), and no cell speaks to the instructor
+    about the copy itself."""
+    notebook = nbformat.read(path, as_version=4)
+    student = classroom.student_notebook(notebook)
+    solution_lines = {
+        line.strip()
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for line in _solution_lines(cell.source)
+        if len(line.strip()) > 12  # `return x`, `pass`, `)` may well stay in a stub's context
+    }
+    for index, cell in enumerate(student.cells):
+        text = cell.source
+        assert not INSTRUCTOR_TEXT.search(text), (
+            f"{path.name} cell {index} of the student copy speaks to the instructor: "
+            f"{INSTRUCTOR_TEXT.search(text).group(0)!r}"
+        )
+        if cell.cell_type != "markdown":
+            continue  # the body's code may share a line such as `with torch.no_grad():`
+        leaked = [line for line in text.splitlines() if line.strip() in solution_lines]
+        assert leaked == [], f"{path.name} cell {index} of the student copy holds {leaked}"
+
+
+def _solution_lines(source: str) -> list[str]:
+    lines, inside = [], False
+    for line in source.splitlines():
+        marker = line.strip()
+        if marker in (classroom.BEGIN_SOLUTION, classroom.BEGIN_HIDDEN):
+            inside = True
+        elif marker in (classroom.END_SOLUTION, classroom.END_HIDDEN):
+            inside = False
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def test_instructor_text_and_a_leaked_solution_line_are_found(tmp_path):
+    """Both checks above catch what they look for."""
+    cell = nbformat.v4.new_code_cell(
+        "def f(x):\n    ### BEGIN SOLUTION\n"
+        "    return sorted(x, key=abs)[::-1]\n"
+        "    ### END SOLUTION\n"
+    )
+    leak = nbformat.v4.new_markdown_cell("Hint: `return sorted(x, key=abs)[::-1]`")
+    note = nbformat.v4.new_markdown_cell("An instructor's student copy replaces it.")
+    notebook = nbformat.v4.new_notebook(cells=[cell, leak, note])
+    student = classroom.student_notebook(notebook)
+    assert "sorted" not in student.cells[0].source
+    assert _solution_lines(cell.source)[0].strip() in student.cells[1].source
+    assert INSTRUCTOR_TEXT.search(student.cells[2].source)
