@@ -23,7 +23,7 @@ TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheel
 TORCH ?=
 
 .PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
-	student grade book
+	student grade book gpu-check
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
 # lock does not hold); the package itself goes in editable, without touching the pins.
@@ -82,6 +82,14 @@ test-latest:
 
 bench: $(STAMP)
 	$(PY) -m dmlbook.bench all
+
+# On a machine with a GPU: every gpu-marked test, chapter 8 on the GPU and the GPU benchmarks,
+# one table at the end (dmlbook/bench/gpu.py). It installs nothing: it runs with .venv's Python
+# where there is one (`make install TORCH=torch==2.13.0` puts a CUDA build there), else with the
+# machine's own python3 and its torch, the package taken from this checkout.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m dmlbook.bench gpu-check
 
 # Student copies (solutions replaced by stubs) in student/, and grading them: a table and JSON.
 student: $(STAMP)

@@ -17,7 +17,12 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
     python -m dmlbook.bench composed --json out.json
                                              # chapter 13's step at world size 8: memory and
                                              # bytes per dimension, measured / predicted
-    python -m dmlbook.bench all
+    python -m dmlbook.bench gpu              # bf16 GEMM vs the card's peak; memory estimate vs
+                                             # the CUDA allocator (needs a GPU)
+    python -m dmlbook.bench gpu-check        # `make gpu-check`: gpu tests, chapter 8 and the
+                                             # GPU benchmarks on one GPU, one table at the end
+    python -m dmlbook.bench all              # every benchmark above but gpu-check (gpu only
+                                             # where CUDA is present)
 
 Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
 These are measurements, never assertions: the tests check correctness only. Take timing claims
@@ -72,6 +77,7 @@ BENCHES = (
     "pipeline",
     "netlab",
     "composed",
+    "gpu",
 )
 
 
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("which", choices=[*BENCHES, "all"])
+    parser.add_argument("which", choices=[*BENCHES, "gpu-check", "all"])
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB,64MiB", help="allreduce sizes")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (allreduce)")
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: bucket size")
     args = parser.parse_args(argv)
     every = args.which == "all"
+    if args.which == "gpu-check":
+        from dmlbook.bench.gpu import gpu_check
+
+        raise SystemExit(gpu_check())
     if every or args.which == "launch":
         from dmlbook.bench.launch import bench_launch
 
@@ -136,3 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         from dmlbook.bench.composed import bench_composed
 
         bench_composed(json_path=args.json if args.which == "composed" else None)
+    if (every and torch.cuda.is_available()) or args.which == "gpu":
+        from dmlbook.bench.gpu import bench_gpu
+
+        _write_json(bench_gpu(), args.json if args.which == "gpu" else None)

@@ -33,6 +33,8 @@ GPUS = (
         "NVIDIA A100 80GB datasheet"),
     GPU("H100", 2022, 80, 3350, 989, 989, 900, 18,
         "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022) and H100 SXM datasheet"),
+    GPU("H200", 2024, 141, 4800, 989, 989, 900, 18,
+        "NVIDIA H200 Tensor Core GPU datasheet (2024): the H100's compute with HBM3e"),
 )  # fmt: skip
 
 # DGX-1 (P100, 2016) "hybrid cube-mesh": two fully connected quads of 4 GPUs, and each GPU linked
