@@ -33,10 +33,14 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
     """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
     repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's."""
     dev = device()
-    contenders = [*collectives.ALGORITHMS, "torch"]
+    # On the CPU, chapter 4's shared-memory transport, and one core's copy of the same bytes:
+    # what memory alone allows, a ceiling for any transport between ranks on one host.
+    extra = ["shm", "memcpy"] if dev.type == "cpu" else []
+    contenders = [*collectives.ALGORITHMS, *extra, "torch"]
     records = []
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+        copy = torch.empty_like(tensor)
         times = {name: [] for name in contenders}
         for i in range(warmup + repeats):
             for name in contenders:
@@ -46,6 +50,8 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
                 start = time.perf_counter()
                 if name == "torch":
                     dist.all_reduce(tensor)
+                elif name == "memcpy":
+                    copy.copy_(tensor)
                 else:
                     collectives.all_reduce(tensor, algorithm=name, check=check)
                 if dev.type == "cuda":
@@ -70,7 +76,9 @@ def bench_allreduce(
     """Median time of each dmlbook all-reduce algorithm against torch's, at each message size.
 
     ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
-    The shape check (one extra round) is off unless ``check``; torch's all_reduce has none.
+    The shape check (one extra round) is off unless ``check``; torch's all_reduce has none. On
+    the CPU the rows include ``shm`` (:mod:`dmlbook.comm.shm`) and ``memcpy``, one core copying
+    the same bytes (its "busbw" is simply bytes / time).
     """
     measured = run(time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
         0
@@ -85,9 +93,10 @@ def bench_allreduce(
         f"{'busbw GB/s':>10s}"
     )
     for nbytes, times in zip(sizes, measured, strict=True):
-        for algorithm in collectives.ALGORITHMS:
+        for algorithm in [name for name in times if name != "torch"]:
             median_s, baseline = times[algorithm], times["torch"]
-            busbw = nbytes * 2 * (world_size - 1) / world_size / median_s / 1e9
+            factor = 1 if algorithm == "memcpy" else 2 * (world_size - 1) / world_size
+            busbw = nbytes * factor / median_s / 1e9
             records.append(
                 {
                     "algorithm": algorithm,

@@ -38,7 +38,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch.distributed import ReduceOp
 
-from dmlbook.comm import trace
+from dmlbook.comm import shm, trace
 from dmlbook.comm.algorithms import (
     _ALL_REDUCE,
     ALGORITHMS,
@@ -136,12 +136,16 @@ def all_reduce(
     """Reduce ``tensor`` over the ranks of ``group`` with ``op``; every rank gets the result.
 
     ``transfer_dtype`` (ring only, a floating tensor): send chunks in that dtype, e.g.
-    ``torch.bfloat16``, and add them up in ``tensor``'s own precision.
+    ``torch.bfloat16``, and add them up in ``tensor``'s own precision. ``algorithm="shm"``
+    sends no message at all: ranks on one host meet in shared memory (:mod:`dmlbook.comm.shm`,
+    chapter 4), and its size check is free.
     """
+    if algorithm == "shm" and transfer_dtype is None:
+        return shm.all_reduce(tensor, op, group)
     _check_tensor(tensor)
     _check_op(op, tensor.dtype)
     if algorithm not in _ALL_REDUCE:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        raise ValueError(f"algorithm must be one of {ALGORITHMS} or 'shm', got {algorithm!r}")
     if transfer_dtype is not None:
         _check_transfer_dtype(transfer_dtype, tensor.dtype, op, algorithm)
     comm = _Comm(group, "all_reduce")

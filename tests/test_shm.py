@@ -1,0 +1,162 @@
+"""The shared-memory transport (:mod:`dmlbook.comm.shm`, chapter 4) against gloo and one process.
+
+Each rank's input is built from its rank, so the result has a closed form (the single-process
+reference), and gloo's ``dist`` collective on the same inputs is the production counterpart.
+Checks are batched into one launch per world size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from dmlbook.comm import collectives, shm
+from dmlbook.launch import RankError, run
+
+# (numel, dtype, op): a length no world size divides, one shorter than the world, an empty one
+CASES = [
+    (1001, torch.float32, ReduceOp.SUM),
+    (1001, torch.float64, ReduceOp.AVG),
+    (3, torch.int64, ReduceOp.MAX),
+    (7, torch.float32, ReduceOp.MIN),
+    (10, torch.float64, ReduceOp.PRODUCT),
+    (1000, torch.bfloat16, ReduceOp.SUM),
+    (0, torch.float32, ReduceOp.SUM),
+]
+
+
+def _input(numel: int, dtype, rank: int, salt: int = 0) -> torch.Tensor:
+    values = torch.arange(numel, dtype=torch.float64) % 7 + rank + 1 + salt
+    return values.to(dtype)
+
+
+def _reference(numel, dtype, op, world_size) -> torch.Tensor:
+    """One process, every rank's input in hand."""
+    stack = torch.stack([_input(numel, dtype, r).double() for r in range(world_size)])
+    reduce = {
+        ReduceOp.SUM: lambda s: s.sum(0),
+        ReduceOp.AVG: lambda s: s.mean(0),
+        ReduceOp.MAX: lambda s: s.max(0).values,
+        ReduceOp.MIN: lambda s: s.min(0).values,
+        ReduceOp.PRODUCT: lambda s: s.prod(0),
+    }[op]
+    return reduce(stack)
+
+
+def _every_collective():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for i, (numel, dtype, op) in enumerate(CASES):
+        ours = _input(numel, dtype, rank)
+        shm.all_reduce(ours, op)
+        theirs = _input(numel, dtype, rank)
+        if op == ReduceOp.AVG:  # gloo has no AVG: sum, then divide, as torch's docs suggest
+            dist.all_reduce(theirs)
+            theirs /= world
+        else:
+            dist.all_reduce(theirs, op)
+        via_collectives = _input(numel, dtype, rank).reshape(1, -1).t()  # not contiguous
+        collectives.all_reduce(via_collectives, op, algorithm="shm")
+        out[f"all_reduce {i}"] = (ours, theirs, via_collectives.reshape(-1))
+    # pieces: a slot of 256 bytes carries a 1001-element tensor in 16 pieces
+    small = shm.SharedMemoryGroup.create(slot_bytes=256)
+    pieces = _input(1001, torch.float32, rank)
+    small.all_reduce(pieces, ReduceOp.SUM)
+    out["pieces"] = pieces
+    # all_gather and reduce_scatter, against gloo's
+    mine = _input(5, torch.float32, rank, salt=rank)
+    gathered = [torch.empty(5) for _ in range(world)]
+    shm.all_gather(gathered, mine)
+    expected = [torch.empty(5) for _ in range(world)]
+    dist.all_gather(expected, mine)
+    out["all_gather"] = (torch.stack(gathered), torch.stack(expected))
+    inputs = [_input(6, torch.float32, rank, salt=j) for j in range(world)]
+    scattered = torch.empty(6)
+    shm.reduce_scatter(scattered, inputs, ReduceOp.SUM)
+    # gloo has no reduce_scatter: all-reduce everything and keep this rank's block
+    everything = torch.stack(inputs)
+    dist.all_reduce(everything)
+    out["reduce_scatter"] = (scattered, everything[rank])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_equal_to_gloo_and_to_one_process(world_size):
+    results = run(_every_collective, world_size, timeout=90)
+    for rank, out in enumerate(results):
+        for i, (numel, dtype, op) in enumerate(CASES):
+            ours, theirs, via_collectives = out[f"all_reduce {i}"]
+            expected = _reference(numel, dtype, op, world_size).to(dtype)
+            tolerance = dict(atol=0, rtol=0) if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=0)
+            torch.testing.assert_close(ours, expected, **tolerance, msg=f"rank {rank} case {i}")
+            torch.testing.assert_close(ours, theirs, **tolerance)
+            torch.testing.assert_close(via_collectives, ours, atol=0, rtol=0)
+        torch.testing.assert_close(
+            out["pieces"], _reference(1001, torch.float32, ReduceOp.SUM, world_size).float()
+        )
+        torch.testing.assert_close(*out["all_gather"], atol=0, rtol=0)
+        torch.testing.assert_close(*out["reduce_scatter"], atol=0, rtol=0)
+    if world_size > 1:  # every rank holds the same bits
+        for i in range(len(CASES)):
+            assert all(torch.equal(r[f"all_reduce {i}"][0], results[0][f"all_reduce {i}"][0])
+                       for r in results)  # fmt: skip
+
+
+def _mismatched_then_recovered():
+    rank = dist.get_rank()
+    try:
+        shm.all_reduce(torch.ones(4 + rank))
+    except ValueError as e:
+        said = str(e)
+    else:
+        said = None
+    t = torch.ones(3)
+    shm.all_reduce(t)  # the group still works after the error
+    return said, t.tolist()
+
+
+def test_mismatched_sizes_are_the_same_value_error_on_every_rank():
+    results = run(_mismatched_then_recovered, 3, timeout=60)
+    messages = {said for said, _ in results}
+    assert len(messages) == 1 and None not in messages
+    (message,) = messages
+    assert "rank 0: 4 x torch.float32" in message and "rank 2: 6 x torch.float32" in message
+    assert all(values == [3.0, 3.0, 3.0] for _, values in results)
+
+
+def _killed_mid_collective():
+    t = torch.ones(1 << 16)
+    shm.all_reduce(t)  # the buffer exists on every rank
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), 9)
+    shm.all_reduce(t)  # rank 0 waits for a rank that is gone
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_a_killed_rank_is_an_error_and_leaves_no_segment():
+    before = _dev_shm()
+    with pytest.raises(RankError, match="rank 1"):
+        run(_killed_mid_collective, 2, timeout=30)
+    assert _dev_shm() - before == set()  # the buffer had no name to leave behind
+
+
+def _lonely_barrier():
+    group = shm.SharedMemoryGroup.create(timeout=0.5)
+    if dist.get_rank() == 0:
+        try:
+            group.barrier()
+        except TimeoutError as e:
+            return str(e)
+    return None
+
+
+def test_a_rank_that_never_arrives_is_a_timeout_naming_it():
+    said, _ = run(_lonely_barrier, 2, timeout=30)
+    assert "ranks [1] did not arrive" in said
