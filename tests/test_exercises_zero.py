@@ -1,6 +1,7 @@
 """Chapter 9b's exercise checkers: right answers pass, an unanswered cell is "not attempted", and
 planted bugs (mixed-precision bytes, one Adam moment, the wrong stage, no ValueError; floor
-division that drops elements, a last shard holding the remainder; stage 3 without the second
+division that drops elements, a last shard holding the remainder, an off-by-one start,
+numel // N + 1 as the ceiling; stage 3 without the second
 all-gather, no (N-1)/N, elements instead of bytes) are caught with a message that says so."""
 
 import pytest
