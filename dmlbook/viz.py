@@ -7,7 +7,11 @@ and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle b
 white space); chapter 13 draws the tokens each expert of a mixture of experts received, kept and
 dropped, against its capacity with ``expert_load``, which rank holds what on a 5-D layout with
 ``who_holds_what`` and one composed step of every rank with ``gantt`` (its gradient sync and
-optimizer step in their own colours).
+optimizer step in their own colours). Chapter 9 draws a GEMM's column and row split with
+``gemm_split``, chapter 9b the ZeRO stages with ``zero_stages``, chapter 10 a FedAvg round and
+secure aggregation's masks with ``fedavg_round`` and ``pairwise_masks``, chapter 11 which rank
+trains which sample across a resize with ``sample_owners``, and chapter 12 profiler intervals
+with ``spans``.
 """
 
 from __future__ import annotations
@@ -22,9 +26,15 @@ __all__ = [
     "chunk_grid",
     "curves",
     "expert_load",
+    "fedavg_round",
     "gantt",
+    "gemm_split",
+    "pairwise_masks",
+    "sample_owners",
+    "spans",
     "stacked_bars",
     "who_holds_what",
+    "zero_stages",
 ]
 
 
@@ -230,4 +240,202 @@ def who_holds_what(
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set_title(title or f"who holds what: one colour per {group_name} group", fontsize=9)
+    return ax
+
+
+def gemm_split(split: str, world_size: int = 2, n: int = 4, ax: plt.Axes | None = None) -> plt.Axes:
+    """``X @ W = Y`` as three n x n grids, each element coloured by the rank that holds or
+    computes it under a ``"column"`` or ``"row"`` split of W (chapter 9): grey is held by every
+    rank, hatched is a partial sum that every rank computes and an all-reduce adds up."""
+    if split not in ("column", "row") or n % world_size:
+        raise ValueError(f"split must be 'column' or 'row' and divide {n}, got {split!r}")
+    ax = ax or plt.subplots(figsize=(7.5, 2.4))[1]
+    block = n // world_size
+    colours = plt.get_cmap("tab10")
+
+    def owner(matrix: str, i: int, j: int) -> int | None:  # None: every rank
+        if split == "column":
+            return None if matrix == "X" else j // block
+        return {"X": j // block, "W": i // block}.get(matrix)
+
+    for k, matrix in enumerate(("X", "W", "Y")):
+        x0 = k * (n + 2)
+        for i in range(n):
+            for j in range(n):
+                if split == "row" and matrix == "Y":  # a sliver of each rank's partial sum
+                    for r in range(world_size):
+                        ax.add_patch(plt.Rectangle((x0 + j + r / world_size, n - 1 - i),
+                                                   1 / world_size, 1, fc=colours(r), alpha=0.5,
+                                                   hatch="//", ec="white"))  # fmt: skip
+                    continue
+                r = owner(matrix, i, j)
+                ax.add_patch(plt.Rectangle((x0 + j, n - 1 - i), 1, 1, ec="white", alpha=0.8,
+                                           fc="0.8" if r is None else colours(r)))  # fmt: skip
+        ax.text(x0 + n / 2, n + 0.3, matrix, ha="center", fontsize=11)
+    ax.text(n + 1, n / 2, "@", ha="center", va="center", fontsize=14)
+    ax.text(2 * n + 3, n / 2, "=", ha="center", va="center", fontsize=14)
+    ax.set_xlim(-0.2, 3 * n + 4.2)
+    ax.set_ylim(-0.8, n + 1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    note = (
+        "grey: every rank holds all of X; an all-gather joins Y's columns"
+        if split == "column"
+        else "hatched: every rank computes a whole partial Y; an all-reduce adds them"
+    )
+    ax.text(0, -0.6, note, fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r)) for r in range(world_size)]
+    ax.legend(
+        handles,
+        [f"rank {r}" for r in range(world_size)],
+        fontsize=8,
+        loc="upper right",
+        bbox_to_anchor=(1.0, 1.15),
+        ncol=world_size,
+    )
+    ax.set_title(f"{split} split of W on {world_size} ranks", fontsize=9)
+    return ax
+
+
+def zero_stages(blocks: Sequence[tuple[int, int]], numel: int) -> plt.Figure:
+    """Four panels, ZeRO stages 0-3 (chapter 9b): for each rank, three strips (parameters,
+    gradients, optimizer state) across the flat model of ``numel`` elements, coloured where that
+    rank holds them. ``blocks[r]`` is rank r's shard ``(start, stop)``, the same in every strip."""
+    fig, axes = plt.subplots(1, 4, figsize=(12, 2.6), sharey=True)
+    parts = ["parameters", "gradients", "optimizer state"]
+    titles = ["stage 0: plain DP", "stage 1: P_os", "stage 2: P_os+g", "stage 3: P_os+g+p"]
+    for stage, ax in enumerate(axes):
+        for r, (start, stop) in enumerate(blocks):
+            for i in range(len(parts)):
+                y = r * 4 + (2 - i)
+                ax.broken_barh([(0, numel)], (y, 0.8), color="0.9")
+                sharded = stage >= 3 - i  # optimizer state from stage 1, gradients 2, params 3
+                span = (start, min(stop, numel) - start) if sharded else (0, numel)
+                ax.broken_barh([span], (y, 0.8), color=f"C{i}")
+        ax.set_title(titles[stage], fontsize=9)
+        ax.set_xticks([])
+        ax.set(xlabel="flat model buffer (elements)")
+    axes[0].set_yticks([r * 4 + 1.4 for r in range(len(blocks))],
+                       [f"rank {r}" for r in range(len(blocks))])  # fmt: skip
+    axes[0].set(ylabel="rank")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(3)]
+    fig.legend(handles, parts, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def fedavg_round(clients_of_rank: dict[int, Sequence[int]], ax: plt.Axes | None = None) -> plt.Axes:
+    """One FedAvg round (chapter 10): the server, rank 0, above the client ranks, each box listing
+    the clients it hosts; arrows down carry the global model w, arrows up each client's update
+    n_k (w_k - w) and its count n_k. The data never leaves the lower boxes."""
+    ranks = sorted(clients_of_rank)
+    ax = ax or plt.subplots(figsize=(2.6 * len(ranks) + 1, 3.2))[1]
+    mid = (len(ranks) - 1) * 1.3 + 0.5
+    ax.add_patch(plt.Rectangle((mid - 0.7, 2.2), 1.4, 0.7, color="tab:gray", alpha=0.3))
+    ax.text(mid, 2.55, "rank 0: server\nholds w, a test set", ha="center", va="center", fontsize=8)
+    for k, rank in enumerate(ranks):
+        x = k * 2.6
+        ax.add_patch(plt.Rectangle((x, 0), 1.0 + 0.6 * (len(ranks) > 1), 0.8,
+                                   color=f"C{k}", alpha=0.3))  # fmt: skip
+        names = ", ".join(str(c) for c in clients_of_rank[rank])
+        ax.text(
+            x + 0.8,
+            0.4,
+            f"rank {rank}\nclients {names}\n(their data stays here)",
+            ha="center",
+            va="center",
+            fontsize=8,
+        )
+        ax.annotate("", (x + 0.5, 0.85), (mid - 0.2, 2.15),
+                    arrowprops=dict(arrowstyle="->", color="tab:blue"))  # fmt: skip
+        ax.annotate("", (mid + 0.2, 2.15), (x + 1.1, 0.85),
+                    arrowprops=dict(arrowstyle="->", color="tab:red"))  # fmt: skip
+    ax.text(mid - 1.2, 1.55, "1. global model w", color="tab:blue", fontsize=8, ha="right")
+    ax.text(mid + 1.2, 1.55, "3. n_k (w_k - w) and n_k\nper client", color="tab:red", fontsize=8)
+    ax.text(mid, -0.35, "2. each client trains w for E local epochs on its own data: w_k",
+            ha="center", fontsize=8)  # fmt: skip
+    ax.text(mid, 3.1, "4. server: w <- w + sum n_k (w_k - w) / sum n_k", ha="center", fontsize=8)
+    ax.set_xlim(-0.3, 2.6 * len(ranks) - 0.6)
+    ax.set_ylim(-0.6, 3.4)
+    ax.axis("off")
+    return ax
+
+
+def pairwise_masks(participants: Sequence[int], ax: plt.Axes | None = None) -> plt.Axes:
+    """Secure aggregation's pairwise masks (chapter 10) as a table: a row per client, a column per
+    pair (i, j), ``+m_ij`` for the lower-numbered client and ``-m_ij`` for the other, so that every
+    column, hence the server's sum of the uploads, adds up to zero."""
+    pairs = [(i, j) for i in participants for j in participants if i < j]
+    ax = ax or plt.subplots(figsize=(1.1 * len(pairs) + 2.2, 0.45 * len(participants) + 1.2))[1]
+    for c, (i, j) in enumerate(pairs):
+        for r, client in enumerate(participants):
+            sign = "+" if client == i else "-" if client == j else ""
+            if sign:
+                ax.add_patch(plt.Rectangle((c, -r - 1), 1, 1, ec="white",
+                                           color="tab:green" if sign == "+" else "tab:red",
+                                           alpha=0.3))  # fmt: skip
+                ax.text(c + 0.5, -r - 0.5, f"{sign}m{i}{j}", ha="center", va="center", fontsize=8)
+        ax.text(c + 0.5, -len(participants) - 0.5, "0", ha="center", va="center", fontsize=9,
+                fontweight="bold")  # fmt: skip
+        ax.text(c + 0.5, 0.4, f"pair ({i}, {j})", ha="center", fontsize=7)
+    for r, client in enumerate(participants):
+        ax.text(-0.1, -r - 0.5, f"client {client} adds", ha="right", va="center", fontsize=8)
+    ax.text(-0.1, -len(participants) - 0.5, "server's sum", ha="right", va="center", fontsize=8,
+            fontweight="bold")  # fmt: skip
+    ax.axhline(-len(participants), color="k", lw=0.8)
+    ax.set_xlim(-2.2, len(pairs))
+    ax.set_ylim(-len(participants) - 1, 0.9)
+    ax.axis("off")
+    ax.set_title("Pairwise masks: each column cancels in the sum", fontsize=9)
+    return ax
+
+
+def sample_owners(
+    owners: dict[str, Sequence[int | None]],
+    edges: dict[str, Sequence[int]] | None = None,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """A strip per row of ``owners`` across an epoch's sample positions (chapter 11), each
+    position coloured by the rank that trains it (grey: ``None``, trained before), with the
+    global batches' boundaries from ``edges`` as black ticks."""
+    ax = ax or plt.subplots(figsize=(10, 0.7 * len(owners) + 0.9))[1]
+    colours = plt.get_cmap("tab10")
+    for y, (name, row) in enumerate(owners.items()):
+        for pos, rank in enumerate(row):
+            colour = "0.85" if rank is None else colours(rank)
+            ax.add_patch(plt.Rectangle((pos, -y - 0.4), 1, 0.8, ec="white", lw=0.3, color=colour))
+        for edge in (edges or {}).get(name, []):
+            ax.plot([edge, edge], [-y - 0.5, -y + 0.5], color="k", lw=1.2)
+    ranks = sorted({r for row in owners.values() for r in row if r is not None})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r)) for r in ranks]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="0.85"))
+    ax.legend(handles, [f"rank {r}" for r in ranks] + ["trained before"], fontsize=7,
+              ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.35))  # fmt: skip
+    ax.set_xlim(0, max(len(row) for row in owners.values()))
+    ax.set_ylim(-len(owners) + 0.4, 0.6)
+    ax.set_yticks([-y for y in range(len(owners))], list(owners))
+    ax.set_xlabel("position in the epoch's shuffled order")
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def spans(
+    rows: dict[str, Sequence[tuple[float, float]]],
+    shade: Sequence[tuple[float, float]] = (),
+    title: str = "",
+    unit: float = 1.0,
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Interval lists as rows of bars (chapter 12's profiler spans): ``rows[name]`` is a list of
+    ``(start, end)``, drawn divided by ``unit``; ``shade`` intervals are greyed behind them."""
+    ax = ax or plt.subplots(figsize=(9, 0.45 * len(rows) + 1))[1]
+    for y, intervals in enumerate(rows.values()):
+        ax.broken_barh([(s / unit, (e - s) / unit) for s, e in intervals], (y - 0.4, 0.8),
+                       color=f"C{y}")  # fmt: skip
+    for s, e in shade:
+        ax.axvspan(s / unit, e / unit, color="0.9", zorder=-1)
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_title(title, fontsize=9)
     return ax

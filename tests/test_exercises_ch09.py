@@ -1,8 +1,8 @@
 """Chapter 9's exercise checkers: right answers pass; planted bugs (column and row swapped, the
-nn.Linear orientation, interleaved blocks, a remainder for the last rank instead of ValueError;
-forward-only counts, one all-reduce per linear, talking at TP = 1, the tensor size instead of the
-ring's 2 (p - 1) / p, half a ring, elements instead of bytes) are caught with a message that says
-so."""
+nn.Linear orientation, interleaved blocks, the next rank's block, a remainder for the last rank
+instead of ValueError; forward-only counts, one all-reduce per linear, talking at TP = 1, the
+tensor size instead of the ring's 2 (p - 1) / p, twice the tensor, half a ring, elements instead
+of bytes) are caught with a message that says so."""
 
 import pytest
 import torch
@@ -44,6 +44,10 @@ def shard_remainder_to_last(W, rank, world_size, split):
     return W.narrow(dim, rank * block, stop - rank * block)
 
 
+def shard_next_rank(W, rank, world_size, split):  # off by one in the start index
+    return shard(W, (rank + 1) % world_size, world_size, split)
+
+
 def test_weight_shard_passes_the_right_answer():
     assert ch09.check_weight_shard(shard).status == "passed"
 
@@ -58,6 +62,7 @@ def test_weight_shard_not_attempted():
         (shard_swapped, "keeps all of W's"),
         (shard_linear_orientation, "transpose"),
         (shard_interleaved, "interleaved"),
+        (shard_next_rank, "that is rank 1's block"),
         (shard_remainder_to_last, "instead of raising ValueError"),
     ],
 )
@@ -104,6 +109,11 @@ def traffic_elements(n_layer, batch, seq, n_embd, tp, element_size):
     return count, nbytes / element_size
 
 
+def traffic_twice_the_tensor(n_layer, batch, seq, n_embd, tp, element_size):
+    count = traffic(n_layer, batch, seq, n_embd, tp, element_size)[0]
+    return count, count * 2 * batch * seq * n_embd * element_size
+
+
 def test_tp_communication_passes_the_right_answer():
     assert ch09.check_tp_communication(traffic).status == "passed"
 
@@ -120,6 +130,7 @@ def test_tp_communication_not_attempted():
         (traffic_at_tp_one, "no other rank"),
         (traffic_tensor_size, r"2 \(p - 1\) / p"),
         (traffic_half_ring, "half of a ring"),
+        (traffic_twice_the_tensor, "the ring's limit for many ranks"),
         (traffic_elements, "counts elements"),
         (lambda *args: "lots", "return \\(all_reduces, bytes\\)"),
     ],

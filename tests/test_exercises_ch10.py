@@ -143,7 +143,7 @@ def test_client_mask_passes_right_answers():
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (one_sign, "do not cancel"),
+        (one_sign, "every client ADDS every pair's mask"),
         (no_modulo, r"% MODULUS"),
         (every_client, "over the participants only"),
         (zero_mask, "does not look random"),
@@ -232,8 +232,8 @@ def test_dirichlet_split_passes_right_answers():
     [
         (iid_ignoring_alpha, "expected below 0.15"),
         (alpha_inverted, "alpha inverted"),
-        (drops_remainders, "are missing"),
-        (with_replacement, "repeated"),
+        (drops_remainders, "Rounding each client's count down"),
+        (with_replacement, "went to two clients"),
         (unseeded, "same seed"),
         (no_value_error, "raise ValueError"),
     ],

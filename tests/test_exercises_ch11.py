@@ -1,6 +1,7 @@
 """Chapter 11's exercise checkers: right answers pass; planted bugs (ignoring the resume position,
-dropping the tail, an off-by-one start, unbalanced parts; scaling by the world size, square-root
-scaling, floor instead of ceiling, the base batch as global batch) are caught with a message."""
+dropping the tail, an off-by-one start, unbalanced parts, local_batch each in turn, the same part
+on every rank; scaling by the world size, square-root scaling, floor instead of ceiling, the base
+batch as global batch) are caught with a message that names the cause."""
 
 import math
 
@@ -42,6 +43,15 @@ def lopsided(order, position, local_batch, rank, world):  # the last rank takes 
     return list(batch[rank * size : end])
 
 
+def in_turn(order, position, local_batch, rank, world):  # local_batch each, even at the end
+    start = position + rank * local_batch
+    return list(order[start : start + local_batch])
+
+
+def same_part(order, position, local_batch, rank, world):  # every rank takes rank 0's part
+    return elastic.rank_batch(order, position, local_batch, 0, world)
+
+
 @pytest.mark.parametrize("right", [elastic.rank_batch, strided])
 def test_rank_batch_passes_right_answers(right):
     assert ch11.check_rank_batch(right).status == "passed"
@@ -54,10 +64,12 @@ def test_rank_batch_not_attempted():
 @pytest.mark.parametrize(
     "bug, said",
     [
-        (from_zero, "lose"),
-        (floor_split, "lose"),
-        (off_by_one, "lose"),
+        (from_zero, "come before position"),
+        (floor_split, "no rank took them"),
+        (off_by_one, "come after this global batch"),
         (lopsided, "sizes"),
+        (in_turn, "local_batch each in turn"),
+        (same_part, "each rank's part must depend on rank"),
     ],
 )
 def test_rank_batch_catches_bugs(bug, said):

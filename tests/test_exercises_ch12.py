@@ -1,7 +1,8 @@
 """Chapter 12's exercise checkers: right answers pass; planted bugs (rounding each share, rounding
-down, splitting by time per sample, equal split, a rank left with nothing, no ValueError; pairwise
-overlaps that double-count, the union, a fraction; plain averaging, 1 / batch) are caught with a
-message that says so; unanswered exercises are "not attempted"."""
+down, splitting by time per sample, equal split, the remainder to the last rank, a rank left with
+nothing, no ValueError; pairwise overlaps that double-count, the union, a fraction, merging
+unsorted lists; plain averaging, 1 / batch, 1 / global batch) are caught with a message that says
+so; unanswered exercises are "not attempted"."""
 
 import math
 
@@ -67,6 +68,13 @@ def split_without_valueerror(speeds, batch):
     return split([max(s, 1e-9) for s in speeds], max(batch, len(speeds)))
 
 
+def split_remainder_to_last(speeds, batch):  # floors, then the last rank takes what is left
+    _checked(speeds, batch)
+    batches = [max(1, math.floor(batch * s / sum(speeds))) for s in speeds]
+    batches[-1] += batch - sum(batches)
+    return batches
+
+
 def test_proportional_batches_passes_right_answers():
     assert ch12.check_proportional_batches(split).status == "passed"
     assert ch12.check_proportional_batches(pr.proportional_batches).status == "passed"
@@ -79,6 +87,7 @@ def test_proportional_batches_passes_right_answers():
         (split_rounding_down, "Rounding each share on its own"),
         (split_by_time, "FASTER rank should take MORE"),
         (split_equally, "equal split"),
+        (split_remainder_to_last, "absorbs all the rounding error"),
         (split_leaving_zero, "at least one sample"),
         (split_without_valueerror, "raise ValueError"),
     ],
@@ -124,6 +133,19 @@ def overlap_same_index(a, b):
     )
 
 
+def overlap_merged_unsorted(a, b):  # merges as if each list were sorted by start
+    def merged(intervals):
+        out = []
+        for start, end in intervals:
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return out
+
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
+
+
 def test_overlap_passes_right_answers():
     assert ch12.check_overlap(overlap).status == "passed"
     assert ch12.check_overlap(lambda a, b: pr.length(pr.intersection(a, b))).status == "passed"
@@ -135,6 +157,7 @@ def test_overlap_passes_right_answers():
         (overlap_pairwise, "merge each list"),
         (overlap_union, "EITHER list"),
         (overlap_fraction, "a fraction"),
+        (overlap_merged_unsorted, "without sorting it by start first"),
         (overlap_same_index, "expected"),
     ],
 )
@@ -159,6 +182,7 @@ def test_loss_scale_passes_the_right_answer():
         (lambda batches, rank: 1 / batches[rank], "weight of a whole batch"),
         (lambda batches, rank: batches[rank] / sum(batches) * len(batches), "averaged"),
         (lambda batches, rank: 1.0, "not the union batch"),
+        (lambda batches, rank: 1 / sum(batches), "factor for a SUMMED loss"),
     ],
 )
 def test_loss_scale_catches_planted_bugs(answer, message):

@@ -1,6 +1,7 @@
 """Chapter 9b's exercise checkers: right answers pass, an unanswered cell is "not attempted", and
 planted bugs (mixed-precision bytes, one Adam moment, the wrong stage, no ValueError; floor
-division that drops elements, a last shard holding the remainder; stage 3 without the second
+division that drops elements, a last shard holding the remainder, an off-by-one start,
+numel // N + 1 as the ceiling; stage 3 without the second
 all-gather, no (N-1)/N, elements instead of bytes) are caught with a message that says so."""
 
 import pytest
@@ -105,6 +106,11 @@ def shard_range_off_by_one(numel, world_size, rank):
     return rank * size + 1, (rank + 1) * size + 1
 
 
+def shard_range_plus_one(numel, world_size, rank):  # "ceil" as numel // world_size + 1
+    size = numel // world_size + 1
+    return rank * size, (rank + 1) * size
+
+
 def test_shard_range_passes_right_answers():
     assert exercises.check_shard_range(shard_range).status == "passed"
     assert (
@@ -120,7 +126,8 @@ def test_shard_range_passes_right_answers():
     [
         (shard_range_floor, "belong to no rank"),
         (shard_range_last_takes_the_rest, "need equal shards"),
-        (shard_range_off_by_one, r"Rank r owns \[r \* S"),
+        (shard_range_off_by_one, "rank 0's shard starts at 1"),
+        (shard_range_plus_one, "numel // world_size \\+ 1 is not the ceiling"),
     ],
 )
 def test_shard_range_catches_planted_bugs(answer, message):

@@ -44,3 +44,66 @@ def test_who_holds_what_colours_each_group_and_labels_each_rank():
     assert texts == [f"rank {r}\nr{r}" for r in range(8)]
     assert len(ax.lines) == 4  # one line joins the two ranks of each pipeline group
     plt.close(ax.figure)
+
+
+def test_gemm_split_colours_each_rank_block():
+    from matplotlib.colors import to_rgba
+
+    column = viz.gemm_split("column", world_size=2, n=4)
+    grey = to_rgba("0.8")
+    cells = [p for p in column.patches if isinstance(p, plt.Rectangle)][:48]  # X, W, Y
+    x_cells = [p.get_facecolor()[:3] for p in cells[:16]]
+    assert all(c == grey[:3] for c in x_cells)  # a column split: every rank holds all of X
+    assert len({p.get_facecolor()[:3] for p in cells[16:32]}) == 2  # W: two ranks' columns
+    row = viz.gemm_split("row", world_size=2, n=4)
+    hatched = [p for p in row.patches if p.get_hatch()]
+    assert len(hatched) == 32  # Y: every element a partial sum from each of the 2 ranks
+    with pytest.raises(ValueError):
+        viz.gemm_split("diagonal")
+    plt.close("all")
+
+
+def test_zero_stages_shards_one_more_part_per_stage():
+    fig = viz.zero_stages([(0, 25), (25, 50), (50, 75), (75, 100)], 100)
+    for stage, ax in enumerate(fig.axes[:4]):
+        spans = [c.get_paths() for c in ax.collections]
+        widths = [p.get_extents().width for paths in spans for p in paths]
+        # each rank: 3 grey backgrounds and 3 coloured strips; `stage` strips are a quarter
+        coloured = widths[1::2]
+        assert sum(abs(w - 25) < 1e-6 for w in coloured) == 4 * stage
+    plt.close(fig)
+
+
+def test_fedavg_round_names_every_rank_and_client():
+    ax = viz.fedavg_round({1: [0, 2], 2: [1, 3]})
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "rank 1\nclients 0, 2" in texts and "rank 2\nclients 1, 3" in texts
+    assert "server" in texts
+    plt.close(ax.figure)
+
+
+def test_pairwise_masks_put_one_plus_and_one_minus_in_each_column():
+    ax = viz.pairwise_masks([0, 2, 5])
+    texts = [t.get_text() for t in ax.texts]
+    assert sorted(t for t in texts if t.startswith(("+m", "-m"))) == sorted(
+        ["+m02", "-m02", "+m05", "-m05", "+m25", "-m25"]
+    )
+    assert texts.count("0") == 3  # every column sums to zero
+    plt.close(ax.figure)
+
+
+def test_sample_owners_draw_a_cell_per_position():
+    ax = viz.sample_owners({"a": [None, 0, 1, 0], "b": [None, None, 2, 1]}, {"a": [1, 3]})
+    cells = [p for p in ax.patches if isinstance(p, plt.Rectangle)]
+    assert len(cells) == 8
+    assert len(ax.lines) == 2  # the batch boundaries of row "a"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
+    plt.close(ax.figure)
+
+
+def test_spans_draw_one_row_per_list():
+    ax = viz.spans({"one": [(0, 2), (3, 4)], "two": [(1, 3)]}, shade=[(0, 4)], unit=2)
+    widths = [p.get_extents().width for c in ax.collections for p in c.get_paths()]
+    assert widths == [1.0, 0.5, 1.0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["one", "two"]
+    plt.close(ax.figure)

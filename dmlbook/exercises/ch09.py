@@ -74,12 +74,29 @@ def check_weight_shard(fn: Callable[[torch.Tensor, int, int, str], torch.Tensor]
                 if not torch.equal(got, want):
                     dim = 1 if split == "column" else 0
                     strided = W[:, rank::world] if dim else W[rank::world, :]
-                    hint = (
-                        ": that is every world_size-th one (interleaved); each rank holds one "
-                        "contiguous block"
-                        if got.shape == strided.shape and torch.equal(got, strided)
-                        else f"; W[i, j] = {n_out} * i + j, so the values say which block you took"
+                    others = [r for r in range(world) if r != rank]
+                    took = next(
+                        (
+                            r
+                            for r in others
+                            if torch.equal(got, _expected_shard(W, r, world, split))
+                        ),
+                        None,
                     )
+                    if got.shape == strided.shape and torch.equal(got, strided):
+                        hint = (
+                            ": that is every world_size-th one (interleaved); each rank holds one "
+                            "contiguous block"
+                        )
+                    elif took is not None:
+                        hint = (
+                            f": that is rank {took}'s block; rank r's block starts at "
+                            f"r * block (an off-by-one in the start index?)"
+                        )
+                    else:
+                        hint = (
+                            f"; W[i, j] = {n_out} * i + j, so the values say which block you took"
+                        )
                     raise ExerciseFailed(f"{call} returned\n{got}\nexpected\n{want}{hint}")
     for W, world, split in ((torch.zeros(4, 5), 2, "column"), (torch.zeros(5, 4), 2, "row")):
         expect_value_error(
@@ -152,6 +169,10 @@ def check_tp_communication(fn: Callable[[int, int, int, int, int, int], tuple[in
                 "send 2 (p - 1) / p of it (reduce-scatter, then all-gather)",
                 count * activation * (world - 1) / world: "that is half of a ring all-reduce: "
                 "the reduce-scatter; the all-gather sends as much again",
+                count
+                * activation
+                * 2: "that is 2x the tensor per all-reduce, the ring's limit for "
+                "many ranks; with p ranks each sends 2 (p - 1) / p of it",
                 count * batch * seq * n_embd * 2 * (world - 1) / world: "that counts elements; "
                 "multiply by element_size for bytes",
             }

@@ -145,6 +145,25 @@ def check_client_mask(fn: Callable[[int, list[int], Callable, int, int], torch.T
         total = sum(masks.values()) % fl.MODULUS
         if total.any():
             bad = (total != 0).float().mean().item()
+            added = {
+                c: sum(
+                    (
+                        fl.pair_mask(_seed_of(c, p), round_index, NUMEL)
+                        for p in participants
+                        if p != c
+                    ),
+                    torch.zeros(NUMEL, dtype=torch.int64),
+                )
+                % fl.MODULUS
+                for c in participants
+            }
+            if all(torch.equal(masks[c], added[c]) for c in participants):
+                raise ExerciseFailed(
+                    f"the masks of participants {participants} do not cancel: every client ADDS "
+                    "every pair's mask, so the server's sum holds each pair's mask twice instead "
+                    "of zero times. One client of each pair must subtract it (e.g. + towards "
+                    "higher-numbered peers, - towards lower)"
+                )
             raise ExerciseFailed(
                 f"the masks of participants {participants} in round {round_index} do not cancel: "
                 f"their sum is non-zero modulo MODULUS in {bad:.0%} of the elements. For each "
@@ -202,10 +221,18 @@ def check_dirichlet_split(fn: Callable[[torch.Tensor, int, float, int], Sequence
             if len(every) != len(labels) or not torch.equal(every, torch.arange(len(labels))):
                 missing = len(labels) - len(torch.unique(every))
                 repeated = len(every) - len(torch.unique(every))
+                why = (
+                    "Some samples went to two clients, as drawing at random (with replacement) or "
+                    "overlapping cut points do: shuffle each class once and cut it into "
+                    "consecutive parts that do not overlap"
+                    if repeated
+                    else "Rounding each client's count down (int(share * n)) drops the remainder: "
+                    "cut each class's shuffled indices at the cumulative shares (np.cumsum, then "
+                    "np.split), so that the parts always add up to the class"
+                )
                 raise ExerciseFailed(
                     f"{call} must use each of the {len(labels)} samples exactly once; "
-                    f"{missing} are missing and {repeated} repeated. Split each class's shuffled "
-                    "indices at the cumulative shares (np.split), rather than drawing samples"
+                    f"{missing} are missing and {repeated} repeated. {why}"
                 )
             if any(not torch.equal(a, b) for a, b in zip(parts, again, strict=True)):
                 raise ExerciseFailed(f"{call} gave different splits for the same seed")

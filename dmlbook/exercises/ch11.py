@@ -55,17 +55,38 @@ def check_rank_batch(fn: Callable[[Sequence[int], int, int, int, int], list[int]
                 lost = sorted(set(batch) - set(got))
                 extra = sorted(set(got) - set(batch))
                 twice = sorted({i for i in got if got.count(i) > 1})
+                before, after = set(order[:start]), set(order[start + len(batch) :])
+                if extra and set(extra) <= before:
+                    why = (
+                        "the extra samples come before position: start at position, the samples "
+                        "before it were trained before the failure"
+                    )
+                elif extra and set(extra) <= after:
+                    why = (
+                        "the extra samples come after this global batch, which is the "
+                        f"local_batch * world_size = {local_batch * world} samples from position: "
+                        "an off-by-one in a slice, or parts of the wrong size"
+                    )
+                elif twice:
+                    why = "two ranks took the same samples: each rank's part must depend on rank"
+                else:
+                    why = (
+                        "no rank took them: the parts together must cover the whole global batch, "
+                        "also when it does not divide by world_size (split the remainder too)"
+                    )
                 raise ExerciseFailed(
                     f"at position {start} with local_batch {local_batch} on {world} ranks the "
                     f"global batch is order[{start}:{start + local_batch * world}] = {batch}; "
-                    f"your parts {parts} lose {lost}, repeat {twice} and add {extra} "
-                    "(start at position: the samples before it were trained before the failure)"
+                    f"your parts {parts} lose {lost}, repeat {twice} and add {extra}: {why}"
                 )
             sizes = [len(p) for p in parts]
             if max(sizes) - min(sizes) > 1:
                 raise ExerciseFailed(
                     f"at position {start} on {world} ranks your parts have sizes {sizes}: they "
-                    "may differ by one at most, or one rank does most of the work"
+                    "may differ by one at most, or one rank does most of the work. At the end of "
+                    "the epoch the global batch is short: share what is left evenly (strided, "
+                    "batch[rank::world_size], or blocks of ceil or floor size) instead of "
+                    "local_batch each in turn or the remainder to one rank"
                 )
             seen += got
             start += len(batch)

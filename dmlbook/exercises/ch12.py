@@ -55,6 +55,13 @@ def _split_hint(got: list[int], speeds: Sequence[float], batch: int) -> str:
         return ": that follows the time per sample; the FASTER rank should take MORE samples"
     if len(set(got)) == 1 and len(set(speeds)) > 1:
         return ": an equal split makes everyone wait for the slowest rank"
+    shares = [batch * s / sum(speeds) for s in speeds]
+    off = [r for r, (g, e) in enumerate(zip(got, shares, strict=True)) if abs(g - e) >= 1]
+    if sum(got) == batch and len(off) == 1:
+        return (
+            f": rank {off[0]} absorbs all the rounding error. Round every share down, then give "
+            "the samples left, one each, to the ranks with the largest remainders"
+        )
     if sum(got) != batch:
         return (
             f": they sum to {sum(got)}, not {batch}. Rounding each share on its own (down or to "
@@ -123,11 +130,29 @@ def _overlap_cases() -> list[tuple[list, list]]:
     return cases
 
 
+def _merged_unsorted(intervals_: list) -> list:
+    """Merging as if the list were sorted by start: a common slip."""
+    out: list[list[float]] = []
+    for start, end in intervals_:
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
 def _overlap_mistakes(a: list, b: list) -> dict[str, float]:
     pairwise = sum(max(0.0, min(ea, eb) - max(sa, sb)) for sa, ea in a for sb, eb in b)
+    unsorted = sum(
+        max(0.0, min(ea, eb) - max(sa, sb))
+        for sa, ea in _merged_unsorted(a)
+        for sb, eb in _merged_unsorted(b)
+    )
     return {
         "you added the overlap of every pair, so time covered twice within one list counts "
         "twice; merge each list into disjoint intervals first": pairwise,
+        "you merged each list without sorting it by start first, so an interval that starts "
+        "earlier but comes later in the list is not merged; sort, then merge": unsorted,
         "that is the time covered by EITHER list (the union), not by both": intervals.length(a + b),
         "that is a fraction; return the overlapping time itself": (
             intervals.overlap_fraction(a, b) if a else -1.0
@@ -187,6 +212,10 @@ def check_loss_scale(fn: Callable[[list[int], int], float]) -> str:
             "batch weighs more than one on a large batch": [1 / len(batches)] * len(batches),
             "1 / my batch gives every rank's samples the weight of a whole batch": [
                 1 / b for b in batches
+            ],
+            "1 / global batch is the factor for a SUMMED loss; this loss is a mean over the "
+            "rank's own b samples (the sum divided by b), so multiply by b / global batch": [
+                1 / total for _ in batches
             ],
             "my batch / global batch * world size would suit averaged (not summed) gradients": [
                 b / total * len(batches) for b in batches

@@ -106,6 +106,16 @@ def check_shard_range(fn: Callable[[int, int, int], tuple[int, int]]) -> str:
                 f": the shards have sizes {sorted(sizes)}. Collectives such as reduce_scatter "
                 "need equal shards: pad the buffer up to a multiple of world_size instead"
             )
+        elif numel % n == 0 and sizes == {numel // n + 1}:
+            hint = (
+                f": shards of {numel // n + 1} are one too many when {numel} divides by {n}. "
+                "numel // world_size + 1 is not the ceiling; -(-numel // world_size) is"
+            )
+        elif got[0][0] != 0:
+            hint = (
+                f": rank 0's shard starts at {got[0][0]}; the buffer starts at 0, so rank r owns "
+                "[r * S, (r + 1) * S), an off-by-one?"
+            )
         else:
             hint = ". Rank r owns [r * S, (r + 1) * S) with S = ceil(numel / world_size)"
         raise ExerciseFailed(f"{call} gave {got} for ranks 0..{n - 1}, expected {want}{hint}")
