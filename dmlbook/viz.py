@@ -4,7 +4,8 @@ Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-agains
 sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
 chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it); chapters 6
 and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as
-white space); chapter 13 draws the tokens each expert of a mixture of experts received, kept and
+white space), and chapter 6 hatches and totals each stage's idle time with ``idle_gaps`` to derive
+the bubble; chapter 13 draws the tokens each expert of a mixture of experts received, kept and
 dropped, against its capacity with ``expert_load``, which rank holds what on a 5-D layout with
 ``who_holds_what`` and one composed step of every rank with ``gantt`` (its gradient sync and
 optimizer step in their own colours). Chapter 9 draws a GEMM's column and row split with
@@ -29,6 +30,7 @@ __all__ = [
     "fedavg_round",
     "gantt",
     "gemm_split",
+    "idle_gaps",
     "pairwise_masks",
     "sample_owners",
     "spans",
@@ -205,6 +207,43 @@ def gantt(
     names = [_GANTT_NAMES[op] for op in ops]
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=9)
+    return ax
+
+
+def idle_gaps(
+    timelines: Sequence[Sequence[_Op]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: str = "ms",
+) -> plt.Axes:
+    """A :func:`gantt` chart with each stage's idle time hatched: every stretch between the step's
+    first start and its last end in which the stage computes nothing, its total written at the
+    end of the row. Chapter 6 derives the pipeline bubble by counting these gaps on a schedule
+    whose ops each last one time slot (``unit="slot"``, timelines in slots).
+    """
+    ax = gantt(timelines, title, ax, "s" if unit == "slot" else unit)
+    scale = {"slot": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    records = [r for timeline in timelines for r in timeline]
+    if not records:
+        raise ValueError("no ops: nothing ran")
+    t0, t1 = min(r.start for r in records), max(r.end for r in records)
+    for row, timeline in enumerate(timelines):
+        edge, idle = t0, 0.0
+        for start, end in sorted((r.start, r.end) for r in timeline) + [(t1, t1)]:
+            if start > edge:  # nothing ran on this stage from edge to start
+                ax.barh(row, (start - edge) * scale, left=(edge - t0) * scale, height=0.8,
+                        color="w", edgecolor="0.55", hatch="///", lw=0.5)  # fmt: skip
+                idle += start - edge
+            edge = max(edge, end)
+        total = f"{idle:g} slots" if unit == "slot" else f"{idle * scale:.0f} {unit}"
+        ax.text((t1 - t0) * scale, row, f" {total} idle", va="center", fontsize=7)
+    ax.set_xlim(0, (t1 - t0) * scale * 1.2)  # room for the idle totals
+    if unit == "slot":
+        ax.set_xlabel("time slot (every op lasts one)")
+    legend = ax.get_legend()
+    handles = [*legend.legend_handles, plt.Rectangle((0, 0), 1, 1, fc="w", ec="0.55", hatch="///")]
+    names = [t.get_text() for t in legend.get_texts()] + ["idle"]
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax
 
 

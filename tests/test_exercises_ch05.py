@@ -1,7 +1,8 @@
 """Chapter 5's exercise checkers: right answers pass, unanswered ones are "not attempted", and
 planted bugs are caught with a message that says what is wrong: a layer count without biases,
-LayerNorms or the output projection, or with 4 d_model for d_ff; training state without
-gradients, with one Adam moment, with mixed precision as all 16-bit, with bf16 moments in fp32;
+LayerNorms, the output projection or one feed-forward bias, or with 4 d_model for d_ff; training
+state without gradients, with one Adam moment, with mixed precision as all 16-bit, with bf16
+moments in fp32;
 a largest batch that is one too many, one too few, or ignores that nothing fits."""
 
 import pytest
@@ -37,6 +38,14 @@ def count_with_4h(h, f):
     return count(h, 4 * h)
 
 
+def count_without_first_feed_forward_bias(h, f):
+    return count(h, f) - f
+
+
+def count_without_one_d_model_bias(h, f):
+    return count(h, f) - h
+
+
 def count_returning_a_float(h, f):
     return float(count(h, f))
 
@@ -52,6 +61,8 @@ def test_layer_parameters_passes_the_right_answer():
         (count_without_layernorms, "you left out the two LayerNorms"),
         (count_without_output_projection, "output projection"),
         (count_with_4h, "the feed-forward width is d_ff, not 4 d_model"),
+        (count_without_first_feed_forward_bias, "first feed-forward layer's bias"),
+        (count_without_one_d_model_bias, "one d_model-sized bias"),
         (count_returning_a_float, "must return an int"),
     ],
 )

@@ -1,6 +1,7 @@
 """Chapter 6's exercise checkers: right answers pass; planted bugs (GPipe's order, a warm-up one
 too long or too short, no min() for M < P, a B before its F; the busy fraction, per-stage spans,
-a span from t = 0, no division by the stage count) are caught with a message that says so."""
+the mean of per-stage idle fractions, stage 0's span alone, a span from t = 0, no division by
+the stage count) are caught with a message that says so."""
 
 import pytest
 
@@ -99,6 +100,18 @@ def bubble_one_stage(timelines):
     return 1 - sum(r.end - r.start for r in records) / span
 
 
+def bubble_mean_of_stages(timelines):
+    spans = [t[-1].end - t[0].start for t in timelines]
+    busy = [sum(r.end - r.start for r in t) for t in timelines]
+    idle = [1 - b / span for b, span in zip(busy, spans, strict=True)]
+    return sum(idle) / len(timelines)
+
+
+def bubble_stage0_span(timelines):
+    busy = sum(r.end - r.start for t in timelines for r in t)
+    return 1 - busy / (len(timelines) * (timelines[0][-1].end - timelines[0][0].start))
+
+
 def test_bubble_passes_the_right_answer():
     assert ch06.check_bubble(bubble).status == "passed"
 
@@ -107,7 +120,9 @@ def test_bubble_passes_the_right_answer():
     "answer, message",
     [
         (bubble_busy, "that is the BUSY fraction"),
-        (bubble_per_stage_span, "measure every stage over the same span"),
+        (bubble_per_stage_span, "each stage over its own span; measure every stage over the same"),
+        (bubble_mean_of_stages, "you averaged each stage's idle fraction over that stage's own"),
+        (bubble_stage0_span, "you took stage 0's span for the whole step"),
         (bubble_from_zero, "not at t = 0"),
         (bubble_one_stage, "divide the busy time by stages x span"),
         (lambda timelines: None, "return a number"),

@@ -1,7 +1,7 @@
 """Chapter 7's exercise checkers: right answers pass; planted bugs (greedy filling, cut positions
 instead of counts, empty stages, no ValueError; no overlap, no fill, (M + P - 1) x slowest, mean
-stage, seconds; first-stage ticks, end instead of end - 1, off by one, per micro-batch) are
-caught with a message that says so."""
+stage, seconds, micro-batches per second; first-stage ticks, end instead of end - 1, off by one
+either way, per micro-batch) are caught with a message that says so."""
 
 import functools
 import itertools
@@ -128,6 +128,10 @@ def throughput_in_seconds(costs, counts, microbatches, size):
     return 1 / throughput(costs, counts, microbatches, size)
 
 
+def throughput_per_microbatch(costs, counts, microbatches, size):
+    return throughput(costs, counts, microbatches, size) / size
+
+
 def test_pipeline_throughput_passes_the_right_answer():
     assert ch07.check_pipeline_throughput(throughput).status == "passed"
 
@@ -140,6 +144,7 @@ def test_pipeline_throughput_passes_the_right_answer():
         (throughput_balanced_formula, r"\(M \+ P - 1\) x the slowest stage"),
         (throughput_mean_stage, "mean stage cost"),
         (throughput_in_seconds, "return samples per second"),
+        (throughput_per_microbatch, "each carries microbatch_size samples"),
     ],
 )
 def test_pipeline_throughput_catches_planted_bugs(answer, message):
@@ -171,6 +176,10 @@ def ticks_off_by_one(sizes, microbatch_size, stages):
     return [t + 1 for t in completion_ticks(sizes, microbatch_size, stages)]
 
 
+def ticks_from_zero(sizes, microbatch_size, stages):
+    return [t - 1 for t in completion_ticks(sizes, microbatch_size, stages)]
+
+
 def ticks_per_microbatch(sizes, microbatch_size, stages):
     n = -(-sum(sizes) // microbatch_size)
     return [k + stages for k in range(n)]
@@ -186,6 +195,7 @@ def test_completion_ticks_passes_the_right_answer():
         (ticks_first_stage, "FIRST stage"),
         (ticks_end_not_last_sample, "end - 1, not end"),
         (ticks_off_by_one, "off by one tick"),
+        (ticks_from_zero, "ticks count from 1"),
         (ticks_per_microbatch, "one tick per request"),
     ],
 )

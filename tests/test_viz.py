@@ -107,3 +107,27 @@ def test_spans_draw_one_row_per_list():
     assert widths == [1.0, 0.5, 1.0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["one", "two"]
     plt.close(ax.figure)
+
+
+def test_idle_gaps_hatches_each_stage_idle_time_and_totals_it():
+    from dmlbook.model_parallel.schedules import OpRecord as R
+
+    # GPipe, 2 stages x 2 micro-batches, one slot per op: each stage idles 2 of 6 slots
+    timelines = [
+        [R("F", 0, 0, 1), R("F", 1, 1, 2), R("B", 0, 4, 5), R("B", 1, 5, 6)],
+        [R("F", 0, 1, 2), R("F", 1, 2, 3), R("B", 0, 3, 4), R("B", 1, 4, 5)],
+    ]
+    ax = viz.idle_gaps(timelines, unit="slot")
+    hatched = [
+        (p.get_y() + p.get_height() / 2, p.get_x(), p.get_width())
+        for p in ax.patches
+        if p.get_hatch()
+    ]
+    assert sorted(hatched) == [(0.0, 2.0, 2.0), (1.0, 0.0, 1.0), (1.0, 5.0, 1.0)]
+    assert [t.get_text() for t in ax.texts if "idle" in t.get_text()] == [
+        " 2 slots idle",
+        " 2 slots idle",
+    ]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "idle"
+    with pytest.raises(ValueError, match="nothing ran"):
+        viz.idle_gaps([[], []])

@@ -40,6 +40,9 @@ def _layer_mistakes(h: int, f: int) -> dict[int, str]:
         weights + biases: "you left out the two LayerNorms (a scale and a shift each: 4 d_model)",
         weights: "you counted only the weight matrices: add the biases and the two LayerNorms",
         right - h * h - h: "you left out the attention's output projection (d_model^2 + d_model)",
+        right - f: "you left out the first feed-forward layer's bias (d_ff numbers)",
+        right - h: "you left out one d_model-sized bias (the output projection's or the second "
+        "feed-forward layer's)",
     }
     if f != 4 * h:  # the width every BERT and GPT happens to use, but not the argument
         mistakes[12 * h * h + 13 * h] = "the feed-forward width is d_ff, not 4 d_model"
@@ -50,7 +53,9 @@ def _layer_mistakes(h: int, f: int) -> dict[int, str]:
 @checker("layer_parameters")
 def check_layer_parameters(fn: Callable[[int, int], int]) -> str:
     """Check ``fn(d_model, d_ff)`` against the parameters of ``nn.TransformerEncoderLayer``."""
-    cases = [(64, 256), (96, 200), (768, 3072), (1024, 4096), (10, 7)]
+    # (96, 200) first: with d_ff = 4 d_model, leaving out d_ff biases looks like leaving out the
+    # LayerNorms (4 d_model), and the hint would name the wrong cause
+    cases = [(96, 200), (64, 256), (768, 3072), (1024, 4096), (10, 7)]
     for h, f in cases:
         want = count_parameters(nn.TransformerEncoderLayer(h, 1, dim_feedforward=f))
         with learner_code(f"your count({h}, {f})"):

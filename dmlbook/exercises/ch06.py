@@ -118,16 +118,21 @@ def _timeline_cases() -> list[tuple[str, list[list[pp.OpRecord]]]]:
         [R("F", 0, 0.6, 0.8), R("B", 0, 0.8, 1.2), R("F", 1, 1.2, 1.4), R("B", 1, 1.4, 1.9)]
         + [R("F", 2, 1.9, 2.0), R("B", 2, 2.0, 2.2)],
     ]
+    forward_only = [  # serving: no backward, so the LAST stage is the last to finish
+        [R("F", 0, 0, 1), R("F", 1, 1, 2)],
+        [R("F", 0, 1, 3), R("F", 1, 3, 5)],
+    ]
     return [
         ("2 stages, GPipe, M = 2", two_stages),
         ("2 stages whose first op starts at t = 2.0 s", late_start),
         ("3 stages, 1F1B, M = 3", three_stages),
+        ("2 stages, forward only, the last stage finishing last", forward_only),
     ]
 
 
 @checker("bubble")
 def check_bubble(fn: Callable[[Sequence[Sequence[pp.OpRecord]]], float]) -> str:
-    """Check ``fn(timelines)`` on three step timelines: it must return the idle fraction,
+    """Check ``fn(timelines)`` on four step timelines: it must return the idle fraction,
     1 - (busy time of all stages) / (stages x (last end - first start))."""
     for name, timelines in _timeline_cases():
         copies = [list(t) for t in timelines]
@@ -143,7 +148,7 @@ def check_bubble(fn: Callable[[Sequence[Sequence[pp.OpRecord]]], float]) -> str:
         raise ExerciseFailed(
             f"on {name}: the bubble is {want:.4f}, got {got:.4f}{_hint(got, timelines)}"
         )
-    return "the idle fraction of 3 timelines (2 and 3 stages, one not starting at 0)"
+    return "the idle fraction of 4 timelines (2 and 3 stages, one late, one forward only)"
 
 
 def _hint(got: float, timelines) -> str:
@@ -151,15 +156,29 @@ def _hint(got: float, timelines) -> str:
     busy = sum(r.end - r.start for r in records)
     first, last = min(r.start for r in records), max(r.end for r in records)
     stages = len(timelines)
-    per_stage_span = sum(max(r.end for r in t) - min(r.start for r in t) for t in timelines)
+    spans = [max(r.end for r in t) - min(r.start for r in t) for t in timelines]
+    busy_of = [sum(r.end - r.start for r in t) for t in timelines]
+    own_idle = [1 - b / span for b, span in zip(busy_of, spans, strict=True)]
     near = lambda x: abs(got - x) <= 1e-9  # noqa: E731
+    same_span = (
+        "measure every stage over the same span, from the first start to the last end over ALL "
+        "stages: a stage that starts late, or finishes early, is idle for the rest of the step"
+    )
     if near(busy / (stages * (last - first))):
         return ": that is the BUSY fraction; the bubble is the idle one, 1 - busy fraction"
-    if near(1 - busy / per_stage_span):
+    if near(1 - busy / sum(spans)):
+        return f": you measured each stage over its own span; {same_span}"
+    if near(sum(own_idle) / stages):
         return (
-            ": you measured each stage over its own span; measure every stage over the same "
-            "span, from the first start to the last end over ALL stages (a stage that starts "
-            "late was idle before it started)"
+            ": you averaged each stage's idle fraction over that stage's own span, which leaves "
+            f"out the time before its first op and after its last; {same_span}"
+        )
+    stage0 = spans[0]
+    if near(1 - busy / (stages * stage0)):
+        return (
+            ": you took stage 0's span for the whole step, but the last op to end can be on "
+            "another stage (here, forward only, it is the last stage's); take the last end "
+            "over ALL stages"
         )
     if near(1 - busy / (stages * last)):
         return ": the span starts at the earliest start over all stages, not at t = 0"

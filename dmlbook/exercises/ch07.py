@@ -151,6 +151,7 @@ def check_pipeline_throughput(fn: Callable[[list[float], list[int], int, int], f
                 samples / (total + (microbatches - 1) * total / stages)
             ),
             "a time in seconds; return samples per second": 1 / want if want else None,
+            "micro-batches per second; each carries microbatch_size samples": want / size,
         }
         hint = next(
             (
@@ -195,6 +196,8 @@ def _tick_mistakes(sizes: Sequence[int], size: int, stages: int) -> dict[str, li
         "off by one tick. Micro-batch 0 leaves the last stage at tick P": [
             (e - 1) // size + stages + 1 for e in ends
         ],
+        "one tick early: ticks count from 1, so micro-batch 0 leaves the last stage at tick P, "
+        "not P - 1": [(e - 1) // size + stages - 1 for e in ends],
     }
 
 
