@@ -12,7 +12,8 @@ optimizer step in their own colours). Chapter 9 draws a GEMM's column and row sp
 ``gemm_split``, chapter 9b the ZeRO stages with ``zero_stages``, chapter 10 a FedAvg round and
 secure aggregation's masks with ``fedavg_round`` and ``pairwise_masks``, chapter 11 which rank
 trains which sample across a resize with ``sample_owners``, and chapter 12 profiler intervals
-with ``spans``.
+with ``spans``. Chapter 13 also draws an all-to-all dispatch with ``all_to_all_dispatch``, ring
+attention's blocks with ``ring_attention_blocks`` and a layout's rank grid with ``rank_grid``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 import matplotlib.pyplot as plt
 
 __all__ = [
+    "all_to_all_dispatch",
     "bars",
     "chunk_grid",
     "curves",
@@ -32,6 +34,8 @@ __all__ = [
     "gemm_split",
     "idle_gaps",
     "pairwise_masks",
+    "rank_grid",
+    "ring_attention_blocks",
     "sample_owners",
     "spans",
     "stacked_bars",
@@ -106,6 +110,143 @@ def expert_load(
     }
     limit = (capacity, "capacity") if capacity is not None else None
     return stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
+
+
+def all_to_all_dispatch(
+    experts: Sequence[Sequence[Sequence[int]]],
+    expert_ranges: Sequence[tuple[int, int]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Where an all-to-all dispatch sends each token: one block of rows per source rank (one row
+    per routing choice, first choice on top), one column per token, the cell naming the token's
+    expert and coloured by the rank that holds it. ``experts[r][t]`` lists token t's experts on
+    rank r (``Routing.expert``); ``expert_ranges[d]`` is rank d's ``[start, stop)`` of experts."""
+    world = len(experts)
+    k = max((len(choices) for rank in experts for choices in rank), default=1)
+    n = max((len(rank) for rank in experts), default=0)
+    ax = ax or plt.subplots(figsize=(0.42 * n + 2.6, 0.32 * world * k + 1.2))[1]
+    colours = plt.get_cmap("tab10")
+
+    def holder(expert: int) -> int:
+        return next(d for d, (lo, hi) in enumerate(expert_ranges) if lo <= expert < hi)
+
+    ticks, names = [], []
+    for src, tokens in enumerate(experts):
+        for choice in range(k):
+            y = src * (k + 0.5) + choice
+            ticks.append(y)
+            names.append(f"rank {src}, choice {choice + 1}")
+            for t, choices in enumerate(tokens):
+                if choice >= len(choices):
+                    continue
+                e = int(choices[choice])
+                ax.add_patch(plt.Rectangle((t - 0.45, y - 0.45), 0.9, 0.9,
+                                           color=colours(holder(e) % 10), alpha=0.45))  # fmt: skip
+                ax.text(t, y, f"e{e}", ha="center", va="center", fontsize=7)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(ticks[-1] + 0.6 if ticks else 1, -0.6)
+    ax.set_yticks(ticks, names, fontsize=7)
+    ax.set_xticks(range(n), [f"t{t}" for t in range(n)], fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(d % 10), alpha=0.45)
+               for d in range(len(expert_ranges))]  # fmt: skip
+    legend = [f"to rank {d} (experts {lo}-{hi - 1})" for d, (lo, hi) in enumerate(expert_ranges)]
+    ax.legend(handles, legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_xlabel("token (its position on its own rank)")
+    ax.set_title(title or "all-to-all dispatch: each token's experts, coloured by their rank",
+                 fontsize=9)  # fmt: skip
+    return ax
+
+
+def ring_attention_blocks(
+    blocks: Sequence[Sequence[object]],
+    layout: Sequence[Sequence[tuple[int, int]]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Which query chunk meets which key/value chunk, on which rank and at which ring step.
+    ``blocks[r]``: the blocks rank r computed, in order (each with ``q_chunk`` and ``k_chunk``,
+    ``[start, stop)`` positions, as :class:`dmlbook.advanced.context_parallel.AttentionBlock`);
+    ``layout[r]``: rank r's chunks. A cell (query chunk, key chunk) is coloured by the rank
+    that computed it and names the ring step: the step at which rank r holds the K/V block of
+    rank (r - step) mod p. Blank cells were never computed (wholly in the causal future).
+    Chapter 13 draws ring attention's zigzag with it."""
+    world = len(layout)
+    chunks = sorted(c for mine in layout for c in mine)
+    index = {c: i for i, c in enumerate(chunks)}
+    owner = {c: r for r, mine in enumerate(layout) for c in mine}
+    ax = ax or plt.subplots(figsize=(0.5 * len(chunks) + 2.4, 0.5 * len(chunks) + 1.0))[1]
+    colours = plt.get_cmap("tab10")
+    for rank, done in enumerate(blocks):
+        for block in done:
+            q, k = index[block.q_chunk], index[block.k_chunk]
+            step = (rank - owner[block.k_chunk]) % world
+            ax.add_patch(plt.Rectangle((k - 0.45, q - 0.45), 0.9, 0.9, color=colours(rank % 10),
+                                       alpha=0.45))  # fmt: skip
+            ax.text(k, q, f"s{step}", ha="center", va="center", fontsize=7)
+    names = [f"{a}-{b - 1}" for a, b in chunks]
+    ax.set_xticks(range(len(chunks)), names, fontsize=7, rotation=90)
+    ax.set_yticks(range(len(chunks)), [f"{n} (rank {owner[c]})" for n, c in zip(names, chunks,
+                  strict=True)], fontsize=7)  # fmt: skip
+    ax.set_xlim(-0.6, len(chunks) - 0.4)
+    ax.set_ylim(len(chunks) - 0.4, -0.6)
+    ax.set_xlabel("key/value positions")
+    ax.set_ylabel("query positions (held by)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r % 10), alpha=0.45) for r in
+               range(world)]  # fmt: skip
+    ax.legend(handles, [f"rank {r}" for r in range(world)], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title="computed by", title_fontsize=7)  # fmt: skip
+    ax.set_title(title or "ring attention: who computes each block, at which step (s)",
+                 fontsize=9)  # fmt: skip
+    return ax
+
+
+class _Grid(Protocol):  # what rank_grid reads of a layout, e.g. dmlbook.advanced.layout.Layout
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+    def group_ranks(self) -> dict[str, list[list[int]]]: ...
+
+
+def rank_grid(
+    layout: _Grid, groups: str | None = None, title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """The rank grid ``(pp, dp, cp, tp)`` of a layout, ``tp`` fastest: ``tp`` and then ``cp``
+    along the row, ``dp`` and then ``pp`` down the page (a gap between pipeline stages), each box
+    its rank and coordinates. ``groups`` names one kind of group of ``layout.group_ranks()``
+    (``"tp"``, ``"ep"``, ...), drawn as a coloured line through the ranks of each.
+    Chapter 13 draws its layouts with it."""
+    pp, dp, cp, tp = layout.pp, layout.dp, layout.cp, layout.tp
+    where = {}
+    for rank in range(pp * dp * cp * tp):
+        rest, t = divmod(rank, tp)
+        rest, c = divmod(rest, cp)
+        p, d = divmod(rest, dp)
+        where[rank] = (c * (tp + 0.4) + t, p * (dp + 0.4) + d, (p, d, c, t))
+    width = cp * (tp + 0.4) - 0.4
+    height = pp * (dp + 0.4) - 0.4
+    ax = ax or plt.subplots(figsize=(1.1 * width + 1.2, 0.8 * height + 1.0))[1]
+    for rank, (x, y, (p, d, c, t)) in where.items():
+        ax.add_patch(plt.Rectangle((x + 0.06, y + 0.08), 0.88, 0.84, fc="0.93", ec="0.5"))
+        ax.text(x + 0.5, y + 0.5, f"rank {rank}\npp{p} dp{d}\ncp{c} tp{t}", ha="center",
+                va="center", fontsize=6.5)  # fmt: skip
+    if groups is not None:
+        colours = plt.get_cmap("tab10")
+        for g, ranks in enumerate(layout.group_ranks()[groups]):
+            xs = [where[r][0] + 0.86 - 0.05 * (g % 3) for r in ranks]  # right of the text
+            ys = [where[r][1] + 0.86 - 0.05 * (g % 3) for r in ranks]  # below it
+            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.8, ms=3.5)
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(height + 0.1, -0.1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("tp fastest, then cp  →", fontsize=8)
+    ax.set_ylabel("↓  dp, then pp (stages apart)", fontsize=8)
+    default = f"{groups} groups" if groups else "the rank grid"
+    ax.set_title(title or default, fontsize=9)
+    return ax
 
 
 def curves(

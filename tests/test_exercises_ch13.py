@@ -1,7 +1,8 @@
 """Chapter 13's exercise checkers: right answers pass; planted bugs (a plain average of the two
 outputs, the larger log-sum-exp, NaN on rows no key reached; tokens per expert instead of rows
 per rank, experts placed round-robin, an unstable sort, no ValueError; TP as the slowest
-dimension, groups listed out of order) are caught with a message that says so."""
+dimension, groups listed out of order, ranks inside a group out of order) are caught with a
+message that says so."""
 
 import pytest
 import torch
@@ -124,6 +125,22 @@ def groups_reversed(pp, dp, cp, tp):
     return {name: [g[::-1] for g in gs] for name, gs in groups(pp, dp, cp, tp).items()}
 
 
+def groups_loops_nested_the_other_way(pp, dp, cp, tp):
+    """The right groups, listed with the other coordinates' loops nested fastest-first (for dp
+    on the 2 x 2 x 1 x 2 grid: [0, 2], [4, 6], [1, 3], [5, 7] instead of by first rank)."""
+    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
+    out = {}
+    for d, name in enumerate(("pp", "dp", "cp", "tp")):
+        moved = grid.movedim(d, -1)  # (the other three, this one)
+        out[name] = moved.permute(2, 1, 0, 3).reshape(-1, grid.shape[d]).tolist()
+    return out
+
+
+def groups_both_orders_wrong(pp, dp, cp, tp):
+    mixed = groups_loops_nested_the_other_way(pp, dp, cp, tp)
+    return {name: [g[::-1] for g in gs] for name, gs in mixed.items()}
+
+
 def test_mesh_groups_passes_the_right_answer_and_not_attempted():
     assert ch13.check_mesh_groups(groups).status == "passed"
     assert ch13.check_mesh_groups(unanswered).status == "not attempted"
@@ -131,7 +148,12 @@ def test_mesh_groups_passes_the_right_answer_and_not_attempted():
 
 @pytest.mark.parametrize(
     "answer, message",
-    [(groups_tp_slowest, "neighbouring ranks"), (groups_reversed, "in another order")],
+    [
+        (groups_tp_slowest, "neighbouring ranks"),
+        (groups_reversed, "ranks inside a group are out of order"),
+        (groups_loops_nested_the_other_way, "sort the groups by their first rank"),
+        (groups_both_orders_wrong, "first rank; and ranks inside a group"),
+    ],
 )
 def test_mesh_groups_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):

@@ -154,6 +154,25 @@ def _mesh_cases() -> list[tuple[int, int, int, int]]:
     return [(2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 2), (1, 3, 1, 2), (2, 1, 1, 4), (1, 1, 1, 1)]
 
 
+def _order_hint(mine: list[list[int]], want: list[list[int]]) -> str:
+    """Why the right groups came out in the wrong order: the groups listed out of order (a loop
+    over the other coordinates nested in another order), their ranks out of order, or both."""
+    members_ok = [sorted(g) == g for g in mine] == [True] * len(mine)
+    listed_ok = [g[0] for g in map(sorted, mine)] == [g[0] for g in want]
+    why = []
+    if not listed_ok:
+        why.append(
+            "the groups are listed in another order (your loops over the other coordinates "
+            "nest in another order than the grid's); sort the groups by their first rank"
+        )
+    if not members_ok:
+        why.append(
+            "ranks inside a group are out of order: a rank's index in its group is its "
+            "coordinate along the dimension, so list each group's ranks in increasing order"
+        )
+    return ": the right groups, but " + "; and ".join(why)
+
+
 @checker("mesh_groups")
 def check_mesh_groups(fn: Callable[[int, int, int, int], dict]) -> str:
     """Check ``fn(pp, dp, cp, tp)`` returns every dimension's groups on the (pp, dp, cp, tp)
@@ -172,7 +191,7 @@ def check_mesh_groups(fn: Callable[[int, int, int, int], dict]) -> str:
                 continue
             hint = ""
             if sorted(map(sorted, mine)) == sorted(map(sorted, table[name])):
-                hint = ": the right groups, in another order; list each in coordinate order"
+                hint = _order_hint(mine, table[name])
             elif name == "tp" and tp > 1 and mine and mine[0][1] - mine[0][0] != 1:
                 hint = (
                     ": TP groups should be neighbouring ranks (tp varies fastest), so that "
