@@ -34,6 +34,15 @@ def test_the_package_finds_the_checkouts_chapters_data_and_scripts():
     assert (book.examples_dir() / "elastic_train.py").is_file()
 
 
+def test_no_module_of_the_book_shadows_another_when_torchrun_starts_in_its_folder():
+    # Chapters 3 and 4 run `python -m torch.distributed.run` with the working folder
+    # EXAMPLES_DIR.parent, which an installed wheel makes dmlbook/book/: it comes first on
+    # sys.path there, so a `copy.py` in it would replace the standard library's copy.
+    modules = {p.stem for p in book.root().glob("*.py")} - {"__init__", "__main__"}
+    assert modules == {"learner_copy"}  # a new module: check its name here
+    assert not modules & set(sys.stdlib_module_names)
+
+
 def small_notebook(*sources: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]

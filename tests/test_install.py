@@ -248,6 +248,14 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     assert (Path(examples_dir) / "elastic_train.py").is_file()
     assert not [p for p in path if p and Path(p).resolve().is_relative_to(REPO)], path
 
+    # The installed scripts run under torchrun started where chapters 3 and 4 start it (the
+    # parent of EXAMPLES_DIR, first on the agent's sys.path).
+    hello = step("torchrun", [python, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", Path(examples_dir) / "hello_ranks.py"],
+                 cwd=Path(examples_dir).parent, env=dict(env, OMP_NUM_THREADS="1"),
+                 timeout=120)  # fmt: skip
+    assert "rank 0 local rank 0" in hello.stdout and "rank 1 local rank 1" in hello.stdout
+
     # 4. Chapter 2, run by nbval in the learner's folder with the new venv's Python.
     name = Path(CHAPTER).name
     ran = step("chapter", [python, "-m", "pytest", name, "--nbval-lax", "--nbval-current-env",

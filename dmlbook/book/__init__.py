@@ -10,6 +10,9 @@ the same files through the same functions.
 
 `python -m dmlbook.book copy DIR` writes a learner's own copy of the chapters (`learner_copy`);
 `python -m dmlbook.book path` prints where the installed chapters are.
+
+No module here may take the name of another module: chapters 3 and 4 start torchrun in this
+folder (the parent of `examples/`), and `python -m` puts its working folder first on sys.path.
 """
 
 from __future__ import annotations
