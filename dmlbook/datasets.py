@@ -7,7 +7,9 @@ data-loading against training bandwidth real files to read.
 
 Nothing here downloads. `load_digits` reads the shipped `data/digits.npz`, `char_corpus` reads
 text that ships with CPython, the `make_*` functions generate data, and `load_mnist` /
-`load_cifar10` read the standard files if you already have them (see data/README.md).
+`load_cifar10` read the standard files if you already have them (see data/README.md). Every
+loader looks in `$DMLBOOK_DATA` first, then in the shipped data, which the installed package
+carries (`dmlbook.book`): a wheel needs no checkout.
 """
 
 from __future__ import annotations
@@ -27,16 +29,32 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-# The runnable scripts that torchrun starts (chapters 3, 4 and 11), beside data/ in the checkout:
-# notebooks find them here wherever they are run from, a student copy's folder included.
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+from dmlbook import book
+
+# The shipped data, inside the installed package (in a checkout, the repository's data/).
+DATA_DIR = book.data_dir()
+# The runnable scripts that torchrun starts (chapters 3, 4, 11 and 13), also inside the package:
+# notebooks find them here wherever they are run from, a learner's or a student's copy included.
+EXAMPLES_DIR = book.examples_dir()
 
 
 def data_roots() -> list[Path]:
-    """Folders searched for data files: `$DMLBOOK_DATA` (if set) first, then the repo's data/."""
+    """Folders searched for data files: `$DMLBOOK_DATA` (if set) first, then the shipped data."""
     env = os.environ.get("DMLBOOK_DATA")
     return ([Path(env).expanduser()] if env else []) + [DATA_DIR]
+
+
+def find_data(name: str) -> Path:
+    """The first file called `name` in `data_roots()`: yours in `$DMLBOOK_DATA`, else shipped."""
+    searched = data_roots()
+    for folder in searched:
+        if (folder / name).is_file():
+            return folder / name
+    places = "\n".join(f"  {p}" for p in searched)
+    raise FileNotFoundError(
+        f"{name} not found in\n{places}\nIt ships with dmlbook: reinstall the package, or put "
+        f"the file in a folder named by $DMLBOOK_DATA. Nothing is downloaded."
+    )
 
 
 # ---- Shipped and generated data -----------------------------------------------------------
@@ -45,12 +63,14 @@ def data_roots() -> list[Path]:
 def load_digits(
     split: str = "train", test_fraction: float = 0.2, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """UCI 8x8 digits as (x (N, 64) float32 in [0, 1], y int64): a real task that trains fast."""
+    """UCI 8x8 digits as (x (N, 64) float32 in [0, 1], y int64): a real task that trains fast.
+
+    Reads digits.npz from `$DMLBOOK_DATA` if it holds one, else the shipped file."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     if not 0.0 <= test_fraction <= 1.0:
         raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
-    with np.load(DATA_DIR / "digits.npz", allow_pickle=False) as f:
+    with np.load(find_data("digits.npz"), allow_pickle=False) as f:
         # Each value counts the "on" pixels of a 4x4 block, 0..16.
         x = torch.from_numpy(f["images"]).reshape(-1, 64).float() / 16.0  # (1797, 64)
         y = torch.from_numpy(f["target"]).long()  # (1797,)

@@ -402,3 +402,28 @@ def test_make_regression():
     # A linear model explains y up to the noise level.
     w = torch.linalg.lstsq(x, y).solution
     assert 0.07 < (x @ w - y).std() < 0.13
+
+
+def test_load_digits_honours_dmlbook_data(tmp_path, monkeypatch):
+    """Your digits.npz in $DMLBOOK_DATA comes first; without one, the shipped file is read."""
+    images = np.arange(5 * 64, dtype=np.uint8).reshape(5, 8, 8) % 17
+    np.savez(tmp_path / "digits.npz", images=images, target=np.arange(5, dtype=np.uint8))
+    monkeypatch.setenv("DMLBOOK_DATA", str(tmp_path))
+    assert ds.find_data("digits.npz") == tmp_path / "digits.npz"
+    x, y = ds.load_digits("all")
+    assert y.tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(x, torch.from_numpy(images).reshape(5, 64).float() / 16)
+    # a $DMLBOOK_DATA without the file falls back to the shipped one
+    monkeypatch.setenv("DMLBOOK_DATA", str(tmp_path / "elsewhere"))
+    assert ds.find_data("digits.npz") == ds.DATA_DIR / "digits.npz"
+    assert len(ds.load_digits("all")[1]) == 1797
+
+
+def test_missing_shipped_data_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setattr(ds, "DATA_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("DMLBOOK_DATA", str(tmp_path / "mine"))
+    with pytest.raises(FileNotFoundError) as err:
+        ds.load_digits()
+    message = str(err.value)
+    assert str(tmp_path / "shipped") in message and str(tmp_path / "mine") in message
+    assert "DMLBOOK_DATA" in message and "Nothing is downloaded" in message

@@ -4,13 +4,20 @@ The static checks read pyproject.toml, requirements.lock, lock-constraints.txt, 
 and the Makefile. The newcomer test (marker ``install``) clones the repository's committed
 state into a temporary folder, runs the README's set-up command there from nothing, and executes
 a chapter in the environment it built: a missing install step cannot hide behind a warm machine.
+The wheel test (marker ``install`` too) does what a class server does: it builds the wheel,
+installs it non-editable over the lock into a fresh venv, copies the book with
+``python -m dmlbook.book copy`` into an empty folder and runs a chapter there, nothing of the
+checkout in reach.
 """
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -145,3 +152,114 @@ def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
         check=True,
     )
     assert where.stdout.strip().startswith(str(clone))
+
+
+def newcomer_env() -> dict[str, str]:
+    """A shell with no virtual environment active and nothing of this checkout's on the path."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS", "MAKEFLAGS", "MAKELEVEL")
+    }
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bin_dir)
+    return env
+
+
+def makefile_torch_source(env: dict[str, str]) -> list[str]:
+    """Where the Makefile gets torch's CPU build (its TORCH_SOURCE): asked of make itself."""
+    printed = subprocess.run(
+        ["make", "-s", "--no-print-directory", "--eval",
+         "print-torch-source: ; @echo $(TORCH_SOURCE)", "print-torch-source"],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return printed.stdout.split()
+
+
+@pytest.mark.install
+@pytest.mark.timeout(900)
+def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkout(tmp_path):
+    """What a class server does: build the wheel, install it (not editable) over the lock into a
+    fresh venv, copy the book into an empty folder, and run chapter 2 there under nbval."""
+    uv = Path(sys.executable).parent / "uv"  # make install puts the pinned uv into .venv
+    if not uv.exists() or shutil.which("make") is None:
+        pytest.skip("needs the checkout's .venv/bin/uv (make install) and make")
+    env = newcomer_env()
+    times = {}
+
+    def step(name: str, command: list, **how) -> subprocess.CompletedProcess:
+        start = time.monotonic()
+        done = subprocess.run(
+            [str(c) for c in command], env=how.pop("env", env), capture_output=True, text=True,
+            timeout=how.pop("timeout", 600), **how,
+        )  # fmt: skip
+        times[name] = time.monotonic() - start
+        assert done.returncode == 0, f"{name} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return done
+
+    # 1. The wheel, built as a release is (the sdist, then the wheel from it), with the build
+    #    backend pinned by the lock; it carries the chapters, data and scripts as package files.
+    dist = tmp_path / "dist"
+    step("build", [uv, "build", "--quiet", "--out-dir", dist,
+                   "--build-constraints", REPO / "requirements.lock", REPO])  # fmt: skip
+    (wheel,) = dist.glob("dmlbook-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n.removeprefix("dmlbook/book/") for n in z.namelist()}
+    expected = {
+        *(f"chapters/{p.name}" for p in (REPO / "chapters").glob("*.ipynb")),
+        *(f"examples/{p.name}" for p in (REPO / "examples").glob("*.py")),
+        "data/digits.npz",
+        "data/README.md",
+    }
+    assert expected <= shipped, f"the wheel lacks {sorted(expected - shipped)}"
+    print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 1e3:.0f} kB")
+
+    # 2. A fresh venv: the lock, as `make install` installs it, then the wheel, not editable.
+    #    --compile-bytecode, as there: where PYTHONDONTWRITEBYTECODE is set (CI), a venv without
+    #    bytecode makes every kernel and rank compile torch's Python again (see the Makefile).
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+    torch_source = makefile_torch_source(env)
+    step("venv", [uv, "venv", "--quiet", "--python", sys.executable, venv])
+    step("sync", [uv, "pip", "sync", "--python", python, "--quiet", "--compile-bytecode",
+                  *torch_source, REPO / "requirements.lock"])  # fmt: skip
+    step("wheel", [uv, "pip", "install", "--python", python, "--quiet", "--compile-bytecode",
+                   *torch_source, wheel])  # fmt: skip
+
+    # 3. The learner's copy, in an empty folder outside the repository.
+    learner = tmp_path / "learner"
+    assert not learner.is_relative_to(REPO)
+    copied = step("copy", [python, "-m", "dmlbook.book", "copy", learner], cwd=tmp_path)
+    chapters = sorted(p.name for p in (REPO / "chapters").glob("*.ipynb"))
+    assert sorted(p.name for p in learner.glob("*.ipynb")) == chapters, copied.stdout
+    assert f"{len(chapters)} written" in copied.stdout
+
+    # Everything the learner's kernel imports and reads comes from the new venv, none of it
+    # from this checkout.
+    probe = (
+        "import json, sys, dmlbook, dmlbook.book as b, dmlbook.datasets as d; print(json.dumps(["
+        "dmlbook.__file__, str(b.chapters_dir()), str(d.DATA_DIR), str(d.EXAMPLES_DIR), sys.path]))"
+    )
+    where = step("probe", [python, "-c", probe], cwd=learner)
+    package, chapters_dir, data_dir, examples_dir, path = json.loads(where.stdout)
+    for found in (package, chapters_dir, data_dir, examples_dir):
+        assert Path(found).is_relative_to(venv), f"{found} is not in the new venv"
+    assert (Path(data_dir) / "digits.npz").is_file()
+    assert (Path(examples_dir) / "elastic_train.py").is_file()
+    assert not [p for p in path if p and Path(p).resolve().is_relative_to(REPO)], path
+
+    # The installed scripts run under torchrun started where chapters 3 and 4 start it (the
+    # parent of EXAMPLES_DIR, first on the agent's sys.path).
+    hello = step("torchrun", [python, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", Path(examples_dir) / "hello_ranks.py"],
+                 cwd=Path(examples_dir).parent, env=dict(env, OMP_NUM_THREADS="1"),
+                 timeout=120)  # fmt: skip
+    assert "rank 0 local rank 0" in hello.stdout and "rank 1 local rank 1" in hello.stdout
+
+    # 4. Chapter 2, run by nbval in the learner's folder with the new venv's Python.
+    name = Path(CHAPTER).name
+    ran = step("chapter", [python, "-m", "pytest", name, "--nbval-lax", "--nbval-current-env",
+                           "-q", "-p", "no:cacheprovider"],
+               cwd=learner, env=dict(env, MPLBACKEND="Agg"))  # fmt: skip
+    assert re.search(r"\d+ passed", ran.stdout) and " failed" not in ran.stdout
+    print(", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
