@@ -362,8 +362,8 @@ def down(prefix: str | None = "dmlbook", force: bool = False) -> list[str]:
     owner is dead; ``prefix=None`` means every lab. Returns the namespaces removed.
 
     A lab owned by another live process is left alone: on a shared server it is another
-    learner's. ``force=True`` (an instructor's `down --force`) removes those too, and namespaces
-    of the same names that no record claims (left by an older version of this package).
+    learner's. ``force=True`` (an instructor's `down --force`) removes those too and, for a
+    ``prefix``, its namespaces that no record claims (left by an older version of this package).
     """
     callers = {Owner.me()}
     try:
@@ -376,9 +376,9 @@ def down(prefix: str | None = "dmlbook", force: bool = False) -> list[str]:
             force or r.owner in callers or r.owner.is_dead()
         ):
             removed += _remove(r)
-    if force:
+    if force and prefix:
         recorded = {ns for r in claims.records() for ns in r.namespaces}
-        tag = re.escape(prefix) if prefix else "[a-z][a-z0-9]*"
+        tag = re.escape(prefix)
         for ns in _namespaces():
             if ns not in recorded and re.fullmatch(rf"{tag}(-[0-9a-f]{{8}})?-(sw|h\d+)", ns):
                 _kill_namespace(ns)
