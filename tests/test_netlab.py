@@ -292,3 +292,11 @@ def test_command_line_lab_belongs_to_its_shell():
     assert netlab.lab.labs(PREFIX) == [record]
     mine = subprocess.run([*cli, "down"], capture_output=True, text=True, check=True)
     assert mine.stdout.split() == ["removed", *record.namespaces]
+    # an instructor's --force removes a live owner's lab too
+    subprocess.run([*cli, "up", "--hosts", "1"], capture_output=True, check=True)
+    (record,) = netlab.lab.labs(PREFIX)
+    forced = subprocess.run(
+        ["sh", "-c", " ".join([*cli, "down", "--force"]) + "; true"], capture_output=True, text=True
+    )
+    assert forced.stdout.split() == ["removed", *record.namespaces]
+    assert not set(record.namespaces) & set(netlab.lab._namespaces())
