@@ -318,10 +318,78 @@ def test_sigkill_at_any_moment_leaves_a_complete_checkpoint(tmp_path):
         now = _complete_version(path, model)
         assert now == version or (now > version and now >= first)
         version = now
-        for t in temporaries:
-            t.unlink()
+        # the killed save's temporary names a dead writer, so it is recognised and removed
+        assert sorted(ck.remove_killed_saves(tmp_path)) == sorted(temporaries)
         assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
     assert killed_mid_save > 0  # at least one kill interrupted a save
+
+
+class _Endless:
+    """Pickling this never ends: a save of it stays mid-write, its temporary file open."""
+
+    def __reduce__(self):
+        time.sleep(600)
+
+
+def _save_big_forever(path):
+    torch.set_num_threads(1)  # a forked child must not use the parent's OpenMP threads
+    big = torch.ones(8 << 20)  # 32 MB a save: long enough to be killed in the middle
+    while True:
+        ck.atomic_save({"v": big}, path)
+
+
+def _wait_for(predicate, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_save_removes_what_killed_saves_left_but_never_a_live_save(tmp_path):
+    path, fork = tmp_path / "model.pt", multiprocessing.get_context("fork")
+    temporaries = lambda: set(tmp_path.glob(".model.pt.*.tmp"))  # noqa: E731
+    for _ in range(5):  # until a round leaves 4 files (a kill lands between saves now and then)
+        # Four savers at once: while they all live, none removes another's file. Once each is
+        # in the middle of a save, all four are killed together.
+        savers = [fork.Process(target=_save_big_forever, args=(path,), daemon=True) for _ in "1234"]
+        for s in savers:
+            s.start()
+        pids = {str(s.pid) for s in savers}
+        _wait_for(
+            lambda pids=pids: pids <= {p.name.split(".")[3].split("-")[0] for p in temporaries()}
+        )
+        for s in savers:
+            os.kill(s.pid, signal.SIGKILL)
+        for s in savers:
+            s.join()
+        killed = temporaries()
+        if len(killed) == 4:
+            break
+    assert len(killed) == 4, killed
+    print(f"4 killed saves left {sum(p.stat().st_size for p in killed) / 1e6:.0f} MB")
+    # a live concurrent save in another process, stuck in the middle of its write
+    live = fork.Process(target=ck.atomic_save, args=(_Endless(), path), daemon=True)
+    live.start()
+    try:
+        _wait_for(lambda: temporaries() - killed)
+        (live_file,) = temporaries() - killed
+        # a pid the kernel reused is not its old owner: same pid as this process, another start
+        me = ck.files.Owner.me()
+        reused = tmp_path / f".model.pt.{me.pid}-{me.start + 1}@{me.host}.0123abcd.tmp"
+        elsewhere = tmp_path / f".model.pt.{me.pid}-{me.start + 1}@another-host.0123abcd.tmp"
+        reused.touch()
+        elsewhere.touch()
+
+        ck.atomic_save({"v": torch.arange(3)}, path)  # one ordinary save
+        assert temporaries() == {live_file, elsewhere}  # the killed ones and the reused pid's
+        assert torch.equal(torch.load(path, weights_only=True)["v"], torch.arange(3))
+        assert live.is_alive()  # the live save was left alone, and still runs
+    finally:
+        os.kill(live.pid, signal.SIGKILL)
+        live.join()
+    assert ck.remove_killed_saves(tmp_path) == [live_file]  # now its writer is dead
+    elsewhere.unlink()  # (another host's file is that host's to judge)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 # --------------------------------------------------------------------------- bad input

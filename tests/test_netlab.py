@@ -1,7 +1,12 @@
 """The network lab: hosts in namespaces, shaped links, and torchrun across two hosts."""
 
+import json
 import os
+import re
+import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -51,7 +56,9 @@ def test_bad_lab_arguments():
     with pytest.raises(ValueError, match="prefix"):
         netlab.Lab(2, prefix="Bad-Name")
     lab = netlab.Lab(3)
-    assert lab.address("h2") == "10.213.0.3" and lab.namespace(0) == "dmlbook-h0"
+    assert lab.address("h2") == "10.213.0.3"
+    assert re.fullmatch(r"dmlbook-[0-9a-f]{8}-h0", lab.namespace(0))
+    assert netlab.Lab(3).name != lab.name  # every lab's names are its own
     with pytest.raises(ValueError, match="no host 'h3'"):
         lab.namespace("h3")
 
@@ -61,12 +68,17 @@ def test_bad_lab_arguments():
 
 @pytest.mark.netns
 @needs_lab
-def test_up_status_down_and_refusals():
+def test_up_status_down_and_two_labs_of_one_prefix_at_once():
     with netlab.Lab(2, bandwidth="200mbit", prefix=PREFIX) as lab:
         table = netlab.status(PREFIX)
-        assert f"{PREFIX}-h0" in table and "10.213.0.2" in table and "rate 200Mbit" in table
-        with pytest.raises(netlab.NetlabError, match="already exist"):
-            netlab.Lab(2, prefix=PREFIX).up()  # refuses to reuse our namespaces
+        assert lab.namespace(0) in table and "10.213.0.2" in table and "rate 200Mbit" in table
+        with pytest.raises(netlab.NetlabError, match="already up"):
+            lab.up()
+        with netlab.Lab(2, prefix=PREFIX) as second:  # a second run of the same chapter
+            assert not set(map(second.namespace, second.names)) & set(map(lab.namespace, lab.names))
+            # each carries traffic on its own switch, with the same addresses
+            assert netlab.tcp_throughput(second, "h0", "h1", seconds=0.3) > 0
+        assert lab.namespace(0) in netlab.status(PREFIX)  # the second's end left the first up
         out = lab.run(
             "h1",
             ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"],
@@ -194,3 +206,97 @@ def test_torchrun_across_two_hosts_equals_single_process(tmp_path):
     param_bytes = sum(v.numel() * v.element_size() for v in reference.parameters())
     for b, a in zip(before, after, strict=True):
         assert a["rx"] - b["rx"] >= steps * param_bytes
+
+
+# --------------------------------------------------------------------------- owners
+
+
+def _lab_in_a_process(then: str) -> subprocess.Popen:
+    """A process that brings up a 1-host lab with a sleeper on it, prints the lab's record, then
+    runs ``then`` (Python)."""
+    code = textwrap.dedent(f"""\
+        import json, os, signal, sys
+        from dmlbook import netlab
+        lab = netlab.Lab(1, prefix={PREFIX!r}).up()
+        sleeper = lab.popen("h0", ["sleep", "600"])
+        print(json.dumps([lab.name, sleeper.pid, [lab.switch, lab.namespace(0)]]), flush=True)
+        {then}
+    """)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.netns
+@needs_lab
+@pytest.mark.timeout(90)
+def test_a_dead_owners_lab_is_removed_by_the_next_and_a_live_ones_never(tmp_path):
+    live = _lab_in_a_process("sys.stdin.read()")  # a learner's run, still going
+    live_name, live_sleeper, live_ns = json.loads(live.stdout.readline())
+    killed = _lab_in_a_process("os.kill(os.getpid(), signal.SIGKILL)")  # a kernel killed mid-run
+    try:
+        dead_name, dead_sleeper, dead_ns = json.loads(killed.stdout.readline())
+        assert killed.wait(timeout=30) == -signal.SIGKILL
+        assert set(dead_ns + live_ns) <= set(netlab.lab._namespaces())
+        table = netlab.status(PREFIX)
+        assert f"lab {dead_name}: owner pid {killed.pid}" in table and "(dead" in table
+        # the next run removes what the dead owner left (namespaces, processes, record), and
+        # only that
+        with netlab.Lab(1, prefix=PREFIX) as following:
+            present = set(netlab.lab._namespaces())
+            assert not set(dead_ns) & present and set(live_ns) <= present
+            assert {r.name for r in netlab.lab.labs(PREFIX)} == {live_name, following.name}
+        assert _gone(dead_sleeper) and not _gone(live_sleeper)
+        # down() by prefix, from a process that does not own it, leaves a live lab alone too
+        assert netlab.down(PREFIX) == [] and set(live_ns) <= set(netlab.lab._namespaces())
+        assert [r.name for r in netlab.lab.labs(PREFIX)] == [live_name]
+        # a pid the kernel reused is not the owner: this process's pid with another start time
+        me = netlab.lab.Owner.me()
+        reused = netlab.Lab(1, prefix=PREFIX)
+        reused.up(owner=netlab.lab.Owner(me.pid, me.start + 1, me.host))
+        assert netlab.sweep() == [reused.switch, reused.namespace(0)]
+    finally:
+        live.stdin.close()  # the live run ends normally: its lab goes with it
+        assert live.wait(timeout=30) == 0
+    assert not set(live_ns) & set(netlab.lab._namespaces()) and netlab.lab.labs(PREFIX) == []
+    deadline = time.monotonic() + 5
+    while not _gone(live_sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(live_sleeper)
+
+
+@pytest.mark.netns
+@needs_lab
+@pytest.mark.timeout(60)
+def test_command_line_lab_belongs_to_its_shell():
+    cli = [sys.executable, "-m", "dmlbook.netlab", "--prefix", PREFIX]
+    up = subprocess.run([*cli, "up", "--hosts", "2"], capture_output=True, text=True, check=True)
+    (record,) = netlab.lab.labs(PREFIX)
+    assert record.owner.pid == os.getpid()  # this process ran it, as a shell would
+    assert f"lab {record.name}" in up.stdout and record.namespaces[1] in up.stdout
+    hello = subprocess.run([*cli, "run", "h1", "--", "ip", "-br", "addr"], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert "10.213.0.2" in hello.stdout
+    # another shell's `down` leaves it alone; its own shell's (this process) removes it
+    other = subprocess.run(  # (a second command keeps sh from exec'ing the first)
+        ["sh", "-c", " ".join([*cli, "down"]) + "; true"], capture_output=True, text=True
+    )
+    assert "left alone (live owners): " + record.name in other.stdout
+    assert netlab.lab.labs(PREFIX) == [record]
+    mine = subprocess.run([*cli, "down"], capture_output=True, text=True, check=True)
+    assert mine.stdout.split() == ["removed", *record.namespaces]
+    # an instructor's --force removes a live owner's lab too
+    subprocess.run([*cli, "up", "--hosts", "1"], capture_output=True, check=True)
+    (record,) = netlab.lab.labs(PREFIX)
+    forced = subprocess.run(
+        ["sh", "-c", " ".join([*cli, "down", "--force"]) + "; true"], capture_output=True, text=True
+    )
+    assert forced.stdout.split() == ["removed", *record.namespaces]
+    assert not set(record.namespaces) & set(netlab.lab._namespaces())

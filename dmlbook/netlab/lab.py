@@ -1,8 +1,11 @@
 """The network lab's hosts: make them, run commands and torchrun jobs on them, remove them.
 
 :class:`Lab` is N hosts (network namespaces) on one switch namespace, each link shaped with tc;
-``with Lab(...) as lab:`` always tears them down. :func:`down` removes a lab's namespaces, even
-one an interrupted run left behind, and :func:`status` shows them. Chapter 4 shapes the links and
+``with Lab(...) as lab:`` always tears them down, and so does the end of the process that made
+them. Each lab's names are its own (``<prefix>-<8 hex>-h0``): runs at the same moment never share
+one. A lab whose owner died (a killed kernel) is removed by the next lab that starts, or by
+:func:`down`; a live run's lab never is (see :mod:`~dmlbook.netlab.claims`). :func:`status`
+shows the labs. Chapter 4 shapes the links and
 times all-reduces across the hosts, chapter 13 times layouts on them, and chapters 3 and 11 send
 the reader to the tests that run torchrun jobs on them and kill a host; the package docstring
 (:mod:`dmlbook.netlab`) explains the wiring.
@@ -10,14 +13,19 @@ the reader to the tests that run torchrun jobs on them and kill a host; the pack
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from dmlbook.netlab import claims
+from dmlbook.owners import Owner
 
 __all__ = [
     "Lab",
@@ -27,6 +35,7 @@ __all__ = [
     "parse_rate",
     "parse_time",
     "status",
+    "sweep",
     "SUBNET",
 ]
 
@@ -84,8 +93,10 @@ class Lab:
     bandwidth: str | None = None  # e.g. "1gbit"; None leaves the links unshaped
     delay: str | None = None  # e.g. "0.2ms" one way per link end; needs the kernel's netem
     loss: float | None = None  # percent of packets dropped per link end; needs netem
-    prefix: str = "dmlbook"  # namespace names: <prefix>-sw, <prefix>-h0, <prefix>-h1, ...
+    prefix: str = "dmlbook"  # a readable tag; the lab's own name adds a unique id (see name)
     second_bandwidth: str | None = None  # if set, a second link per host (eth1) at this rate
+    # <prefix>-<8 hex>, unique to this lab: namespaces <name>-sw, <name>-h0, <name>-h1, ...
+    name: str = field(init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 1:
@@ -103,12 +114,14 @@ class Lab:
             raise ValueError(
                 f"prefix must be 1-12 lowercase letters or digits, got {self.prefix!r}"
             )
+        self.name = f"{self.prefix}-{secrets.token_hex(4)}"
+        self._record: claims.Record | None = None
 
     # ----------------------------------------------------------------------- names
 
     @property
     def switch(self) -> str:
-        return f"{self.prefix}-sw"
+        return f"{self.name}-sw"
 
     @property
     def names(self) -> list[str]:
@@ -120,7 +133,7 @@ class Lab:
         name = f"h{host}" if isinstance(host, int) else host
         if name not in self.names:
             raise ValueError(f"no host {host!r} in this lab; its hosts are {self.names}")
-        return f"{self.prefix}-{name}"
+        return f"{self.name}-{name}"
 
     @property
     def links(self) -> dict[str, str | None]:
@@ -136,16 +149,32 @@ class Lab:
 
     # ----------------------------------------------------------------------- up and down
 
-    def up(self) -> Lab:
-        """Create the switch and the hosts; on any error, remove what was made and re-raise."""
+    def up(self, owner: Owner | None = None) -> Lab:
+        """Create the switch and the hosts; on any error, remove what was made and re-raise.
+
+        First removes the labs whose owners died (:func:`sweep`), then records this lab as
+        ``owner``'s (this process by default; the command line's ``up`` names its shell), so
+        that a later run can tell whether it is still in use.
+        """
         if reason := available():
             raise NetlabError(reason)
-        taken = {self.switch, *map(self.namespace, self.names)} & set(_namespaces())
-        if taken:
+        if self._record is not None:
+            raise NetlabError(f"lab {self.name} is already up")
+        sweep()
+        namespaces = (self.switch, *map(self.namespace, self.names))
+        taken = set(namespaces) & set(_namespaces())
+        record = claims.Record(self.name, self.prefix, self.hosts, namespaces, owner or Owner.me())
+        try:
+            if taken:
+                raise FileExistsError
+            claims.claim(record)
+        except FileExistsError:
             raise NetlabError(
-                f"namespaces {sorted(taken)} already exist: refusing to reuse them "
-                f"(`python -m dmlbook.netlab down --prefix {self.prefix}`)"
-            )
+                f"lab {self.name} exists already (namespaces {sorted(taken)}): refusing to reuse it"
+            ) from None
+        self._record = record
+        if record.owner == Owner.me():  # also removed when this process ends normally
+            atexit.register(self._at_exit)
         try:
             _sh("ip", "netns", "add", self.switch)
             for link in range(len(self.links)):  # one bridge per link: br0, br1
@@ -196,7 +225,14 @@ class Lab:
 
     def down(self) -> None:
         """Kill what runs on the hosts, delete them and the switch. Safe to call twice."""
-        down(self.prefix)
+        record, self._record = self._record, None
+        if record is not None:
+            atexit.unregister(self._at_exit)
+            _remove(record)
+
+    def _at_exit(self) -> None:
+        if self._record is not None and self._record.owner.pid == os.getpid():  # not a fork's
+            self.down()
 
     def __enter__(self) -> Lab:
         return self.up()
@@ -303,13 +339,57 @@ class Lab:
         return {"rx": stats["rx"]["bytes"], "tx": stats["tx"]["bytes"]}
 
 
-def down(prefix: str = "dmlbook") -> list[str]:
-    """Kill every process in the lab's namespaces under ``prefix``, then delete them."""
-    ours = [ns for ns in _namespaces() if re.fullmatch(rf"{re.escape(prefix)}-(sw|h\d+)", ns)]
-    for ns in ours:
+def _remove(record: claims.Record) -> list[str]:
+    """Kill every process in the lab's namespaces, delete them, then forget the lab."""
+    for ns in record.namespaces:
         _kill_namespace(ns)
-        _sh("ip", "netns", "del", ns, check=False)
-    return ours
+        _sh("ip", "netns", "del", ns, check=False)  # its veths go with it
+    claims.release(record)
+    return list(record.namespaces)
+
+
+def sweep() -> list[str]:
+    """Remove every lab whose owner is dead (a crash's leftover); returns their namespaces.
+
+    Labs are recognised by their recorded owner, never by their names: a live run's lab stays.
+    """
+    return [ns for r in claims.records() if r.owner.is_dead() for ns in _remove(r)]
+
+
+def down(prefix: str | None = "dmlbook", force: bool = False) -> list[str]:
+    """Remove the labs named ``prefix`` (the tag given to :class:`Lab`, or one lab's own name)
+    that this process (or its parent, the shell of ``python -m dmlbook.netlab``) owns or whose
+    owner is dead; ``prefix=None`` means every lab. Returns the namespaces removed.
+
+    A lab owned by another live process is left alone: on a shared server it is another
+    learner's. ``force=True`` (an instructor's `down --force`) removes those too and, for a
+    ``prefix``, its namespaces that no record claims (left by an older version of this package).
+    """
+    callers = {Owner.me()}
+    try:
+        callers.add(Owner.of(os.getppid()))
+    except ValueError:
+        pass
+    removed = []
+    for r in claims.records():
+        if prefix in (None, r.prefix, r.name) and (
+            force or r.owner in callers or r.owner.is_dead()
+        ):
+            removed += _remove(r)
+    if force and prefix:
+        recorded = {ns for r in claims.records() for ns in r.namespaces}
+        tag = re.escape(prefix)
+        for ns in _namespaces():
+            if ns not in recorded and re.fullmatch(rf"{tag}(-[0-9a-f]{{8}})?-(sw|h\d+)", ns):
+                _kill_namespace(ns)
+                _sh("ip", "netns", "del", ns, check=False)
+                removed.append(ns)
+    return removed
+
+
+def labs(prefix: str | None = None) -> list[claims.Record]:
+    """The recorded labs named ``prefix`` (a tag or one lab's name; None: all), of any owner."""
+    return [r for r in claims.records() if prefix in (None, r.prefix, r.name)]
 
 
 def _kill_namespace(ns: str) -> list[int]:
@@ -323,23 +403,28 @@ def _kill_namespace(ns: str) -> list[int]:
     return pids
 
 
-def status(prefix: str = "dmlbook") -> str:
-    """A table of the lab's hosts: namespace, address, and the qdiscs shaping its link."""
-    hosts = sorted(
-        (ns for ns in _namespaces() if re.fullmatch(rf"{prefix}-h\d+", ns)),
-        key=lambda ns: int(ns.rsplit("h", 1)[1]),
-    )
-    if not hosts:
-        return f"no netlab hosts with prefix {prefix!r}"
-    rows = []
-    for ns in hosts:
-        for dev in json.loads(_sh("ip", "-n", ns, "-j", "addr", "show").stdout):
-            if not dev["ifname"].startswith("eth"):
+def status(prefix: str | None = "dmlbook") -> str:
+    """A table of the labs named ``prefix`` (None: all): owner, then each host's namespace,
+    address and the qdiscs shaping its links."""
+    found = labs(prefix)
+    if not found:
+        return f"no netlab labs named {prefix!r}" if prefix else "no netlab labs"
+    present, rows = set(_namespaces()), []
+    for lab in found:
+        state = (
+            "dead: `python -m dmlbook.netlab down` removes it" if lab.owner.is_dead() else "live"
+        )
+        rows.append(f"lab {lab.name}: owner pid {lab.owner.pid} on {lab.owner.host} ({state})")
+        for ns in lab.namespaces:
+            if ns.endswith("-sw") or ns not in present:
                 continue
-            ip4 = [a["local"] for a in dev["addr_info"] if a["family"] == "inet"]
-            tc = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev["ifname"])
-            shaping = "; ".join(_describe_qdisc(line) for line in tc.stdout.strip().splitlines())
-            rows.append(f"{ns:16s} {dev['ifname']:5s} {', '.join(ip4):13s} {shaping}")
+            for dev in json.loads(_sh("ip", "-n", ns, "-j", "addr", "show").stdout):
+                if not dev["ifname"].startswith("eth"):
+                    continue
+                ip4 = [a["local"] for a in dev["addr_info"] if a["family"] == "inet"]
+                tc = _sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev["ifname"])
+                shaping = "; ".join(_describe_qdisc(q) for q in tc.stdout.strip().splitlines())
+                rows.append(f"  {ns:24s} {dev['ifname']:5s} {', '.join(ip4):13s} {shaping}")
     return "\n".join(rows)
 
 

@@ -23,11 +23,14 @@ from torch import nn
 
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.launch import device
+from dmlbook.owners import Owner
 
 FORMAT = "dmlbook.data_parallel.checkpoint/1"
 
 
 _NAME = re.compile(r"step-(\d+)\.pt")  # checkpoint_path's names; temporaries start with a dot
+# atomic_save's temporaries: ".<name>.<writer pid>-<its start time>@<host>.<8 hex>.tmp"
+_TEMPORARY = re.compile(r"\.(.*)\.(\d+-\d+@[A-Za-z0-9._-]+)\.[0-9a-f]{8}\.tmp")
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,17 @@ class Checkpoint:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save(obj, path)``, all or nothing: a crash leaves the old file or the new one."""
+    """``torch.save(obj, path)``, all or nothing: a crash leaves the old file or the new one.
+
+    It first removes what killed saves left beside ``path`` (:func:`remove_killed_saves`).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_killed_saves(path.parent)
     # 1. A temporary file in the SAME directory: a rename is atomic only within one filesystem.
-    #    The leading dot keeps it out of latest()'s sight if we die before the rename.
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    #    The leading dot keeps it out of latest()'s sight if we die before the rename; the
+    #    writer's identity in its name lets a later save tell a killed save's file from a live one.
+    tmp = path.with_name(f".{path.name}.{Owner.me().token()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "xb") as f:
             torch.save(obj, f)
@@ -67,6 +75,24 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         raise
     _fsync_directory(path.parent)  # 3. the rename is an entry in the directory: make it durable
     return path
+
+
+def remove_killed_saves(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of saves killed mid-write in ``directory``; return them.
+
+    A killed save cannot clean up after itself (SIGKILL runs no handler), so its temporary file
+    would stay for ever. Each name carries its writer (pid, start time, host): only files whose
+    writer on this host is dead are removed, never one that a live save, in this process or
+    another, is still writing, and never one written from another host.
+    """
+    removed = []
+    for entry in os.scandir(directory):
+        m = _TEMPORARY.fullmatch(entry.name)
+        writer = Owner.parse(m[2]) if m else None
+        if writer is not None and writer.is_dead():
+            Path(entry.path).unlink(missing_ok=True)  # another save may remove it first
+            removed.append(Path(entry.path))
+    return removed
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -1,0 +1,112 @@
+"""Two runs of chapters 4 and 13 at the same moment, as on a class's server (a learner's run and a
+grader's), both pass and leave nothing behind: no namespace, veth, lab record or process.
+
+Before each lab had a name of its own, the second run's ``netlab.down("ch13")`` deleted the first
+run's hosts ("Cannot open network namespace ch13-sw"). Two learners' runs start together, each
+an nbval process that runs chapter 4 and then chapter 13: on the 2-core machine the two runs
+keep pace, so their chapter-4 labs are up at the same time, and then their chapter-13 labs.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dmlbook import netlab
+
+REPO = Path(__file__).resolve().parent.parent
+CHAPTERS = ["04_bottlenecks_and_solutions.ipynb", "13_putting_it_together.ipynb"]
+
+
+def _root_veths() -> set[str]:
+    out = subprocess.run(
+        ["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True
+    )
+    return {line.split(":")[1].strip() for line in out.stdout.splitlines()}
+
+
+def _processes_with(marker: str) -> list[int]:
+    """The pids whose environment holds ``marker``: every process these runs started inherits it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:  # gone meanwhile, or a kernel thread
+                pass
+    return found
+
+
+def _watch(runs, records: Path):
+    """Wait for the runs; return the labs they recorded and how many of a prefix were up at once."""
+    start, seen, most_at_once = time.monotonic(), {}, {}
+    while any(proc.poll() is None for _, _, proc in runs):
+        now = {}
+        for path in records.glob("*.json"):
+            try:
+                lab = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            seen[lab["name"]] = lab["namespaces"]
+            now.setdefault(lab["prefix"], []).append(lab["name"])
+        for prefix, names in now.items():
+            most_at_once[prefix] = max(most_at_once.get(prefix, 0), len(names))
+        assert time.monotonic() - start < 850, "the runs took too long"
+        time.sleep(0.2)
+    print(f"two runs of chapters 4 and 13 at once: {time.monotonic() - start:.0f} s")
+    return seen, most_at_once
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
+@pytest.mark.timeout(900)
+def test_two_runs_of_chapters_4_and_13_at_once_both_pass(tmp_path, monkeypatch):
+    marker = f"DMLBOOK_CONCURRENT_RUN={uuid.uuid4().hex}"
+    records = tmp_path / "labs"  # these runs' own records, so we know which labs were theirs
+    veths = _root_veths()
+    env = dict(os.environ, MPLBACKEND="Agg", DMLBOOK_NETLAB_RECORDS=str(records))
+    env.pop("PYTEST_ADDOPTS", None)
+    env[marker.split("=")[0]] = marker.split("=")[1]
+    runs = []
+    for run in ("a", "b"):
+        log = tmp_path / f"{run}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", *(str(REPO / "chapters" / c) for c in CHAPTERS),
+                 "--nbval-lax", "--nbval-current-env", "-q", "-p", "no:cacheprovider",
+                 "-o", "timeout=400"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        runs.append((f"run {run}", log, proc))
+    try:
+        seen, most_at_once = _watch(runs, records)
+        deadline = time.monotonic() + 10
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left_running = _processes_with(marker)
+    finally:  # whatever happened, nothing may stay: kill what the runs left, remove their labs
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+        monkeypatch.setenv("DMLBOOK_NETLAB_RECORDS", str(records))
+        swept = netlab.sweep()
+    print(f"labs up at once: {most_at_once}")
+
+    # each run had its own labs, two chapter-4 labs and two chapter-13 labs ...
+    assert sorted(name.split("-")[0] for name in seen) == ["ch13", "ch13", "ch4", "ch4"], seen
+    # ... and nothing of theirs is left: processes, labs, namespaces, veths, records
+    assert left_running == [] and swept == []
+    left = {ns for namespaces in seen.values() for ns in namespaces} & set(netlab.lab._namespaces())
+    assert not left, left
+    assert _root_veths() <= veths
+    assert list(records.iterdir()) == []
+    # ... and both runs passed, every cell
+    for name, log, proc in runs:
+        text = log.read_text()
+        assert proc.returncode == 0 and " passed" in text, f"{name}:\n{text[-5000:]}"
