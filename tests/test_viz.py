@@ -44,3 +44,20 @@ def test_who_holds_what_colours_each_group_and_labels_each_rank():
     assert texts == [f"rank {r}\nr{r}" for r in range(8)]
     assert len(ax.lines) == 4  # one line joins the two ranks of each pipeline group
     plt.close(ax.figure)
+
+
+def test_message_schedule_draws_one_arrow_per_message_in_its_step_column():
+    from dmlbook.comm.trace import Send
+
+    sends = [
+        Send("all_reduce", "reduce", 0, 1, 0, 8),
+        Send("all_reduce", "reduce", 0, 3, 2, 8),
+        Send("all_reduce", "reduce", 1, 2, 0, 4),
+    ]
+    ax = viz.message_schedule(sends, 4)
+    arrows = [(a.xy, a.xyann) for a in ax.texts if hasattr(a, "xyann")]
+    # each arrow from (its step's column, src) to (the same column, dst); upwards left of centre
+    assert sorted(arrows) == sorted([((-0.12, 0), (-0.12, 1)), ((-0.12, 2), (-0.12, 3)),
+                                     ((0.88, 0), (0.88, 2))])
+    assert sorted(t.get_text() for t in ax.texts if t.get_text()) == ["0.5n", "n", "n"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
