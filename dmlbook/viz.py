@@ -151,36 +151,42 @@ def chunk_grid(
 
 
 def message_schedule(
-    sends: Sequence, world_size: int, title: str = "", ax: plt.Axes | None = None
+    sends: Sequence,
+    world_size: int,
+    title: str = "",
+    ax: plt.Axes | None = None,
+    tensor_bytes: int | None = None,
 ) -> plt.Axes:
     """Who sends to whom at each step of a collective: one column per step, one row per rank, an
     arrow per message (recorded :class:`dmlbook.comm.trace.Send` events, gathered from every
-    rank), labelled with its size as a fraction of the largest message. Chapter 2 draws the tree
-    and recursive doubling with it.
+    rank), labelled with its size as a fraction of ``tensor_bytes`` (default: of the largest
+    message), "n" being the whole tensor. Chapter 2 draws the tree and recursive doubling with it.
     """
     steps = sorted({s.step for s in sends})
     column = {step: i for i, step in enumerate(steps)}
-    biggest = max((s.nbytes for s in sends), default=1) or 1
-    ax = ax or plt.subplots(figsize=(1.0 * len(steps) + 1.4, 0.55 * world_size + 0.9))[1]
+    whole = tensor_bytes or max((s.nbytes for s in sends), default=1) or 1
+    ax = ax or plt.subplots(figsize=(1.2 * len(steps) + 1.4, 0.55 * world_size + 0.9))[1]
     for r in range(world_size):
         ax.axhline(r, color="0.85", lw=1, zorder=0)
-    pairs = {(s.step, s.src, s.dst, s.nbytes) for s in sends}  # one arrow per message
-    for step, src, dst, nbytes in sorted(pairs):
-        x = column[step] + (0.12 if dst > src else -0.12)  # two directions side by side
-        ax.annotate(
-            "",
-            xy=(x, dst),
-            xytext=(x, src),
-            arrowprops=dict(arrowstyle="-|>", color="C0" if dst > src else "C3", lw=1.5),
-        )
-        size = nbytes / biggest
-        ax.text(x, (src + dst) / 2, "n" if size == 1 else f"{size:.2g}n", fontsize=7,
-                ha="left" if dst > src else "right", va="center")
+    messages = sorted({(s.step, s.dst < s.src, s.src, s.dst, s.nbytes) for s in sends})
+    for step in steps:  # spread a step's messages across its column, so that none overlap
+        here = [m for m in messages if m[0] == step]
+        for i, (_, up, src, dst, nbytes) in enumerate(here):
+            x = column[step] + (i - (len(here) - 1) / 2) * min(0.7 / max(len(here) - 1, 1), 0.25)
+            ax.annotate(
+                "",
+                xy=(x, dst),
+                xytext=(x, src),
+                arrowprops=dict(arrowstyle="-|>", color="C3" if up else "C0", lw=1.5),
+            )
+            size = nbytes / whole
+            ax.text(x + 0.03, (src + dst) / 2, "n" if size == 1 else f"{size:.2g}n", fontsize=7,
+                    ha="left", va="center")
     ax.set_xlim(-0.6, len(steps) - 0.4)
     ax.set_ylim(world_size - 0.5, -0.5)
     ax.set_xticks(range(len(steps)), [str(i) for i in range(len(steps))], fontsize=8)
     ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=8)
-    ax.set_xlabel("step (messages in one column travel at the same time)", fontsize=8)
+    ax.set_xlabel("step (a column's messages travel together)", fontsize=8)
     ax.set_title(title, fontsize=9)
     return ax
 

@@ -52,12 +52,12 @@ def test_message_schedule_draws_one_arrow_per_message_in_its_step_column():
     sends = [
         Send("all_reduce", "reduce", 0, 1, 0, 8),
         Send("all_reduce", "reduce", 0, 3, 2, 8),
-        Send("all_reduce", "reduce", 1, 2, 0, 4),
+        Send("all_reduce", "reduce", 0, 3, 2, 8),  # the same message recorded twice: one arrow
+        Send("all_reduce", "reduce", 5, 2, 0, 4),
     ]
-    ax = viz.message_schedule(sends, 4)
-    arrows = [(a.xy, a.xyann) for a in ax.texts if hasattr(a, "xyann")]
-    # each arrow from (its step's column, src) to (the same column, dst); upwards left of centre
-    assert sorted(arrows) == sorted([((-0.12, 0), (-0.12, 1)), ((-0.12, 2), (-0.12, 3)),
-                                     ((0.88, 0), (0.88, 2))])
-    assert sorted(t.get_text() for t in ax.texts if t.get_text()) == ["0.5n", "n", "n"]
+    ax = viz.message_schedule(sends, 4, tensor_bytes=16)
+    arrows = sorted((a.xyann, a.xy) for a in ax.texts if hasattr(a, "xyann"))
+    # from (column, src) to (column, dst): step 0's two messages side by side, step 5 in column 1
+    assert arrows == [((-0.125, 1), (-0.125, 0)), ((0.125, 3), (0.125, 2)), ((1.0, 2), (1.0, 0))]
+    assert sorted(t.get_text() for t in ax.texts if t.get_text()) == ["0.25n", "0.5n", "0.5n"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
