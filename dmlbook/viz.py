@@ -180,8 +180,14 @@ def message_schedule(
                 arrowprops=dict(arrowstyle="-|>", color="C3" if up else "C0", lw=1.5),
             )
             size = nbytes / whole
-            ax.text(x + 0.03, (src + dst) / 2, "n" if size == 1 else f"{size:.2g}n", fontsize=7,
-                    ha="left", va="center")
+            ax.text(
+                x + 0.03,
+                (src + dst) / 2,
+                "n" if size == 1 else f"{size:.2g}n",
+                fontsize=7,
+                ha="left",
+                va="center",
+            )
     ax.set_xlim(-0.6, len(steps) - 0.4)
     ax.set_ylim(world_size - 0.5, -0.5)
     ax.set_xticks(range(len(steps)), [str(i) for i in range(len(steps))], fontsize=8)

@@ -80,8 +80,11 @@ def test_ring_all_gather_passes_the_ring_and_dmlbook_own(capsys):
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (all_gather_off_by_one, r"tensor_list\[0\] should hold rank 0's(.|\n)*"
-         r"ran world_size - 1 = 1 steps, so none is missing(.|\n)*off by one"),
+        (
+            all_gather_off_by_one,
+            r"tensor_list\[0\] should hold rank 0's(.|\n)*"
+            r"ran world_size - 1 = 1 steps, so none is missing(.|\n)*off by one",
+        ),
         (all_gather_missing_step, "does the loop run world_size - 1 steps \\(1 here\\)"),
         (all_gather_everyone_to_everyone, "not a ring: at world size 3 rank 0 sent to ranks"),
         (all_gather_builtin, "dist.all_gather is switched off"),
@@ -152,10 +155,14 @@ def test_ring_reduce_scatter_passes_the_ring_and_dmlbook_own():
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (reduce_scatter_off_by_one, "full sum of chunk 1. Rank r should end with chunk r; a "
-         "chunk index is off by one"),
-        (reduce_scatter_adds_into_sent_chunk, "although your loop ran world_size - 1 = 1 steps. "
-         "A chunk index is off by one"),
+        (
+            reduce_scatter_off_by_one,
+            "full sum of chunk 1. Rank r should end with chunk r; a chunk index is off by one",
+        ),
+        (
+            reduce_scatter_adds_into_sent_chunk,
+            "although your loop ran world_size - 1 = 1 steps. A chunk index is off by one",
+        ),
         (reduce_scatter_missing_step, "sums only 1 of the 2 ranks' chunks"),
     ],
 )

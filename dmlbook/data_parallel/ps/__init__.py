@@ -132,10 +132,10 @@ def train(
     ``consistency=Synchronous()`` equals single-process SGD with batch ``global_batch``;
     ``BoundedStaleness(k)`` and ``Asynchronous()`` let workers run ahead. ``delay`` gives each
     worker extra seconds per step, to play a straggler: a number (every step) or a list (its
-    pause at step s is ``delay[w][s % len(delay[w])]``, e.g. workers that take turns to pause). ``members[r]`` lists the worker ranks of
-    step ``r`` (chapter 11's workers that join and leave; synchronous only), instead of
-    ``epochs``. Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
-    :func:`assemble_model` puts the model back together.
+    pause at step s is ``delay[w][s % len(delay[w])]``, e.g. workers that take turns to pause).
+    ``members[r]`` lists the worker ranks of step ``r`` (chapter 11's workers that join and
+    leave; synchronous only), instead of ``epochs``. Servers return a :class:`ServerResult`,
+    workers a :class:`WorkerResult`; :func:`assemble_model` puts the model back together.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
