@@ -197,6 +197,36 @@ def message_schedule(
     return ax
 
 
+def checkpoint_segments(
+    segments: Sequence[range], title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """Recomputation's plan for a chain of layers (``segments`` as
+    :func:`dmlbook.model_parallel.recompute.split_segments` cuts them): one box per layer's
+    activation, coloured by segment; solid where forward keeps it, pale where it is dropped and
+    recomputed in backward. Every segment keeps its input; the last one keeps everything (it is
+    never recomputed). Chapter 4 draws it before the recomputation code.
+    """
+    n = sum(len(seg) for seg in segments)
+    ax = ax or plt.subplots(figsize=(min(0.3 * n + 1.5, 12), 1.5))[1]
+    for k, seg in enumerate(segments):
+        last = k == len(segments) - 1
+        for layer in seg:
+            kept = last or layer == seg.start
+            ax.add_patch(
+                plt.Rectangle(
+                    (layer, 0), 0.9, 0.9, color=f"C{k % 10}", alpha=1.0 if kept else 0.25, lw=0
+                )
+            )
+    ax.set_xlim(-0.2, n + 0.1)
+    ax.set_ylim(-0.1, 1.0)
+    ax.set_yticks([])
+    ax.set_xlabel(
+        "layer (solid: activation kept in forward; pale: dropped, recomputed)", fontsize=8
+    )
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
 class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.model_parallel.pipeline.OpRecord
     op: str
     microbatch: int

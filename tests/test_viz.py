@@ -61,3 +61,11 @@ def test_message_schedule_draws_one_arrow_per_message_in_its_step_column():
     assert arrows == [((-0.125, 1), (-0.125, 0)), ((0.125, 3), (0.125, 2)), ((1.0, 2), (1.0, 0))]
     assert sorted(t.get_text() for t in ax.texts if t.get_text()) == ["0.25n", "0.5n", "0.5n"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
+
+
+def test_checkpoint_segments_keeps_each_segment_input_and_the_whole_last_segment():
+    ax = viz.checkpoint_segments([range(0, 3), range(3, 6), range(6, 10)])
+    boxes = sorted((p.get_x(), p.get_alpha()) for p in ax.patches)
+    assert [x for x, _ in boxes] == list(range(10))
+    kept = [x for x, alpha in boxes if alpha == 1.0]
+    assert kept == [0, 3, 6, 7, 8, 9]  # segment inputs, then all of the last segment
