@@ -2,7 +2,10 @@
 
 Chapter 1 draws its bandwidth bars, time-to-accuracy curves, the accuracy-against-global-batch
 sweep and the synchronisation-scheme curves with ``bars`` and ``curves``; chapter 2 draws which
-chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it); chapters 6
+chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps through it) and who
+sends to whom at each step of the tree, recursive doubling and the ring with
+``message_schedule``; chapter 4 draws what recomputation keeps and reruns with
+``checkpoint_segments``; chapters 6
 and 7 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as
 white space), and chapter 6 hatches and totals each stage's idle time with ``idle_gaps`` to derive
 the bubble; chapter 13 draws the tokens each expert of a mixture of experts received, kept and
@@ -26,6 +29,7 @@ import matplotlib.pyplot as plt
 __all__ = [
     "all_to_all_dispatch",
     "bars",
+    "checkpoint_segments",
     "chunk_grid",
     "curves",
     "expert_load",
@@ -33,6 +37,7 @@ __all__ = [
     "gantt",
     "gemm_split",
     "idle_gaps",
+    "message_schedule",
     "pairwise_masks",
     "rank_grid",
     "ring_attention_blocks",
@@ -299,6 +304,83 @@ def chunk_grid(
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=2, ec="k"))
     ax.set_xticks(range(world), [f"chunk {c}" for c in range(world)], fontsize=8)
     ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def message_schedule(
+    sends: Sequence,
+    world_size: int,
+    title: str = "",
+    ax: plt.Axes | None = None,
+    tensor_bytes: int | None = None,
+) -> plt.Axes:
+    """Who sends to whom at each step of a collective: one column per step, one row per rank, an
+    arrow per message (recorded :class:`dmlbook.comm.trace.Send` events, gathered from every
+    rank), labelled with its size as a fraction of ``tensor_bytes`` (default: of the largest
+    message), "n" being the whole tensor. Chapter 2 draws the tree and recursive doubling with it.
+    """
+    steps = sorted({s.step for s in sends})
+    column = {step: i for i, step in enumerate(steps)}
+    whole = tensor_bytes or max((s.nbytes for s in sends), default=1) or 1
+    ax = ax or plt.subplots(figsize=(1.2 * len(steps) + 1.4, 0.55 * world_size + 0.9))[1]
+    for r in range(world_size):
+        ax.axhline(r, color="0.85", lw=1, zorder=0)
+    messages = sorted({(s.step, s.dst < s.src, s.src, s.dst, s.nbytes) for s in sends})
+    for step in steps:  # spread a step's messages across its column, so that none overlap
+        here = [m for m in messages if m[0] == step]
+        for i, (_, up, src, dst, nbytes) in enumerate(here):
+            x = column[step] + (i - (len(here) - 1) / 2) * min(0.7 / max(len(here) - 1, 1), 0.25)
+            ax.annotate(
+                "",
+                xy=(x, dst),
+                xytext=(x, src),
+                arrowprops=dict(arrowstyle="-|>", color="C3" if up else "C0", lw=1.5),
+            )
+            size = nbytes / whole
+            ax.text(
+                x + 0.03,
+                (src + dst) / 2,
+                "n" if size == 1 else f"{size:.2g}n",
+                fontsize=7,
+                ha="left",
+                va="center",
+            )
+    ax.set_xlim(-0.6, len(steps) - 0.4)
+    ax.set_ylim(world_size - 0.5, -0.5)
+    ax.set_xticks(range(len(steps)), [str(i) for i in range(len(steps))], fontsize=8)
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=8)
+    ax.set_xlabel("step (a column's messages travel together)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def checkpoint_segments(
+    segments: Sequence[range], title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """Recomputation's plan for a chain of layers (``segments`` as
+    :func:`dmlbook.model_parallel.recompute.split_segments` cuts them): one box per layer's
+    activation, coloured by segment; solid where forward keeps it, pale where it is dropped and
+    recomputed in backward. Every segment keeps its input; the last one keeps everything (it is
+    never recomputed). Chapter 4 draws it before the recomputation code.
+    """
+    n = sum(len(seg) for seg in segments)
+    ax = ax or plt.subplots(figsize=(min(0.3 * n + 1.5, 12), 1.5))[1]
+    for k, seg in enumerate(segments):
+        last = k == len(segments) - 1
+        for layer in seg:
+            kept = last or layer == seg.start
+            ax.add_patch(
+                plt.Rectangle(
+                    (layer, 0), 0.9, 0.9, color=f"C{k % 10}", alpha=1.0 if kept else 0.25, lw=0
+                )
+            )
+    ax.set_xlim(-0.2, n + 0.1)
+    ax.set_ylim(-0.1, 1.0)
+    ax.set_yticks([])
+    ax.set_xlabel(
+        "layer (solid: activation kept in forward; pale: dropped, recomputed)", fontsize=8
+    )
     ax.set_title(title, fontsize=9)
     return ax
 

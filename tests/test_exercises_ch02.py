@@ -80,7 +80,11 @@ def test_ring_all_gather_passes_the_ring_and_dmlbook_own(capsys):
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (all_gather_off_by_one, r"tensor_list\[0\] should hold rank 0's"),
+        (
+            all_gather_off_by_one,
+            r"tensor_list\[0\] should hold rank 0's(.|\n)*"
+            r"ran world_size - 1 = 1 steps, so none is missing(.|\n)*off by one",
+        ),
         (all_gather_missing_step, "does the loop run world_size - 1 steps \\(1 here\\)"),
         (all_gather_everyone_to_everyone, "not a ring: at world size 3 rank 0 sent to ranks"),
         (all_gather_builtin, "dist.all_gather is switched off"),
@@ -129,6 +133,17 @@ def reduce_scatter_missing_step(output, input_list):
     output.copy_(input_list[rank])
 
 
+def reduce_scatter_adds_into_sent_chunk(output, input_list):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(output)
+    for step in range(world - 1):
+        request = dist.isend(input_list[(rank - step - 1) % world].clone(), (rank + 1) % world)
+        dist.recv(incoming, (rank - 1) % world)
+        request.wait()
+        input_list[(rank - step - 1) % world] += incoming  # planted: should be rank - step - 2
+    output.copy_(input_list[rank])
+
+
 def test_ring_reduce_scatter_passes_the_ring_and_dmlbook_own():
     assert ch02.check_ring_reduce_scatter(ring_reduce_scatter).status == "passed"
     assert (
@@ -140,7 +155,14 @@ def test_ring_reduce_scatter_passes_the_ring_and_dmlbook_own():
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (reduce_scatter_off_by_one, "full sum of chunk 1. Rank r should end with chunk r"),
+        (
+            reduce_scatter_off_by_one,
+            "full sum of chunk 1. Rank r should end with chunk r; a chunk index is off by one",
+        ),
+        (
+            reduce_scatter_adds_into_sent_chunk,
+            "although your loop ran world_size - 1 = 1 steps. A chunk index is off by one",
+        ),
         (reduce_scatter_missing_step, "sums only 1 of the 2 ranks' chunks"),
     ],
 )

@@ -281,6 +281,7 @@ def bad_arguments():
         "a string for consistency": dict(servers=1, consistency="ssp"),
         "a class for consistency": dict(servers=1, consistency=ps.BoundedStaleness),
         "bad delay": dict(servers=1, delay=[0.1]),
+        "empty delay pattern": dict(servers=1, delay=[0.0, []]),
         "bad lr": dict(servers=1, lr=float("nan")),
         "empty server": dict(servers=2, sharding="tensor", model_fn=one_tensor),
         "buffers": dict(servers=1, model_fn=lambda: torch.nn.BatchNorm1d(12)),
@@ -316,6 +317,7 @@ def test_bad_arguments_are_clear_errors_on_every_rank():
         "got the class BoundedStaleness; create one: "
         "BoundedStaleness(k)",
         "bad delay": "ValueError: delay needs 2",
+        "empty delay pattern": "ValueError: delay needs 2 entries",
         "bad lr": "ValueError: lr must be",
         "empty server": "ValueError: the 36 parameters leave a server empty",
         "buffers": "ValueError: ps.train serves parameters only",

@@ -173,3 +173,28 @@ def test_rank_grid_places_tp_fastest_and_joins_each_group():
     xs = {tuple(line.get_xdata()) for line in ax.lines}
     ys = {len(set(line.get_ydata())) for line in ax.lines}
     assert ys == {1} and all(a != b for a, b in xs)  # CP groups run along the row
+
+
+def test_message_schedule_draws_one_arrow_per_message_in_its_step_column():
+    from dmlbook.comm.trace import Send
+
+    sends = [
+        Send("all_reduce", "reduce", 0, 1, 0, 8),
+        Send("all_reduce", "reduce", 0, 3, 2, 8),
+        Send("all_reduce", "reduce", 0, 3, 2, 8),  # the same message recorded twice: one arrow
+        Send("all_reduce", "reduce", 5, 2, 0, 4),
+    ]
+    ax = viz.message_schedule(sends, 4, tensor_bytes=16)
+    arrows = sorted((a.xyann, a.xy) for a in ax.texts if hasattr(a, "xyann"))
+    # from (column, src) to (column, dst): step 0's two messages side by side, step 5 in column 1
+    assert arrows == [((-0.125, 1), (-0.125, 0)), ((0.125, 3), (0.125, 2)), ((1.0, 2), (1.0, 0))]
+    assert sorted(t.get_text() for t in ax.texts if t.get_text()) == ["0.25n", "0.5n", "0.5n"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
+
+
+def test_checkpoint_segments_keeps_each_segment_input_and_the_whole_last_segment():
+    ax = viz.checkpoint_segments([range(0, 3), range(3, 6), range(6, 10)])
+    boxes = sorted((p.get_x(), p.get_alpha()) for p in ax.patches)
+    assert [x for x, _ in boxes] == list(range(10))
+    kept = [x for x, alpha in boxes if alpha == 1.0]
+    assert kept == [0, 3, 6, 7, 8, 9]  # segment inputs, then all of the last segment

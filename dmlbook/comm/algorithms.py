@@ -72,16 +72,21 @@ def _tree_reduce(comm: _Comm, buf: torch.Tensor, root: int, op, step0: int = 0) 
 def _tree_broadcast(comm: _Comm, buf: torch.Tensor, root: int, step0: int = 0) -> None:
     """Binomial-tree broadcast from group rank ``root``: the holders double every round."""
     size, me = comm.size, (comm.rank - root) % comm.size
+    rounds = (size - 1).bit_length()  # the largest mask goes first: its round is step0
+
+    def round_of(mask: int) -> int:
+        return step0 + rounds - mask.bit_length()
+
     mask = 1
     while mask < size:  # receive once, from the rank that got the data one round earlier
         if me & mask:
-            comm.recv(buf, (me - mask + root) % size, step0 + mask.bit_length() - 1)
+            comm.recv(buf, (me - mask + root) % size, round_of(mask))
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:  # then pass it on to the ranks below in the tree
         if me + mask < size:
-            comm.isend(buf, (me + mask + root) % size, step0 + mask.bit_length() - 1, "broadcast")
+            comm.isend(buf, (me + mask + root) % size, round_of(mask), "broadcast")
         mask >>= 1
     comm.wait_all()
 

@@ -53,11 +53,32 @@ def check_shard(fn: Callable[[int, int, int], list[int]]) -> str:
                         f"at ({where}) expected {expected}, your function returned {got}.\n"
                         f"Every rank's expected shard for length={length}, "
                         f"world_size={world_size}: {every_rank}"
+                        + _shard_hint(got, length, rank, world_size)
                     )
                 cases += 1
     return (
         f"matches DistributedSampler(shuffle=False) on all {cases} (length, rank, world_size) cases"
     )
+
+
+def _shard_hint(got: list, length: int, rank: int, world_size: int) -> str:
+    """Name the cause of the common wrong shards: blocks, no padding, padding by repetition."""
+    per_rank = -(-length // world_size)
+    if len(got) < per_rank:
+        return (
+            f"\nEvery rank must get ceil(length / world_size) = {per_rank} indices: pad the list "
+            "by wrapping round to its start (0, 1, ...) before dealing"
+        )
+    wrapped = [i % length for i in range(per_rank * world_size)]
+    if got == wrapped[rank * per_rank : (rank + 1) * per_rank]:
+        return (
+            "\nThat is a contiguous block. DistributedSampler deals the indices with a stride, "
+            "like cards: rank r takes positions r, r + world_size, r + 2 world_size, ..."
+        )
+    repeated = list(range(length)) + [length - 1] * (per_rank * world_size - length)
+    if got == repeated[rank::world_size]:
+        return "\nPad by wrapping round to the start (0, 1, ...), not by repeating the last index"
+    return ""
 
 
 def _as_list(got, where: str) -> list:
@@ -103,6 +124,7 @@ def check_lr_schedule(fn: Callable[[int, float, int, int, int], float]) -> str:
                     raise ExerciseFailed(
                         f"{call} returned {float(got):.6g}, expected {expected:.6g} "
                         f"(the peak learning rate for this global batch is {peak:.6g})"
+                        + _lr_hint(float(got), step, base_batch, global_batch, warmup_steps)
                     )
                 cases += 1
     return f"right on all {cases} (step, batch sizes, warm-up) cases"
@@ -114,6 +136,26 @@ def _is_number(x) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _lr_hint(got: float, step: int, base_batch: int, global_batch: int, warmup_steps: int) -> str:
+    """Name the cause of the common wrong learning rates."""
+    peak = linear_scaling(BASE_LR, base_batch, global_batch)
+    ramp = min(1.0, (step + 1) / warmup_steps)
+    causes = {
+        peak * min(1.0, step / warmup_steps): "your warm-up is one step late: at step s "
+        "(counted from 0) the rate is peak x (s + 1) / warmup_steps, so that it reaches the peak "
+        "at step warmup_steps - 1",
+        peak: "that is the peak rate already: during warm-up, ramp up to it linearly",
+        BASE_LR * ramp: "that ramps up to base_lr; the peak is base_lr x global_batch / "
+        "base_batch (the linear scaling rule)",
+        BASE_LR * math.sqrt(global_batch / base_batch) * ramp: "that scales by the square root "
+        "of the batch ratio; the linear rule multiplies by global_batch / base_batch",
+    }
+    for value, cause in causes.items():
+        if math.isclose(got, value, rel_tol=1e-9, abs_tol=1e-12):
+            return f".\n{cause[0].upper()}{cause[1:]}"
+    return ""
 
 
 # --------------------------------------------------------------------------- 3. gradients

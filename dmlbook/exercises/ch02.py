@@ -135,14 +135,23 @@ def check_ring_all_gather(fn: Callable[[list, torch.Tensor], None], timeout: flo
                     raise ExerciseFailed(
                         f"{call}: on rank {rank}, tensor_list[{j}] should hold rank {j}'s "
                         f"tensor {want[:3].tolist()}, but holds {_describe(got)}"
-                        + _missing_step_hint(report["out"], world)
+                        + _missing_step_hint(report, world)
                     )
             _check_ring(report, rank, world, n * 4, "all-gather")
     return f"ring all-gather right at world sizes {WORLD_SIZES}, p-1 messages to the right"
 
 
-def _missing_step_hint(out: list[torch.Tensor], world: int) -> str:
-    missing = sum(bool(torch.isnan(t).any()) for t in out)
+def _missing_step_hint(report: dict, world: int) -> str:
+    """Name the cause: too few steps, or the right number of steps with an index off by one."""
+    missing = sum(bool(torch.isnan(t).any()) for t in report["out"])
+    if len(report["sent"]) == world - 1:  # the loop ran every step: an index is wrong
+        written = f" ({missing} of the {world} entries were never written)" if missing else ""
+        return (
+            f".\nYour loop ran world_size - 1 = {world - 1} steps, so none is missing{written}: "
+            "a chunk index is off by one. At step s rank r sends entry (r - s) % world_size, "
+            "and receives from its left neighbour entry (r - s - 1) % world_size, the one that "
+            "neighbour sent"
+        )
     if missing:
         return (
             f".\n{missing} of the {world} entries were never written on this rank: does the "
@@ -179,18 +188,20 @@ def check_ring_reduce_scatter(
                 raise ExerciseFailed(
                     f"{call}: on rank {rank}, output should be {want[:3].tolist()} (chunk "
                     f"{rank} summed over the ranks), got {got[:3].tolist()}"
-                    + _reduce_scatter_hint(got, rank, world, n)
+                    + _reduce_scatter_hint(got, rank, world, n, len(report["sent"]))
                 )
             _check_ring(report, rank, world, n * 4, "reduce-scatter")
     return f"ring reduce-scatter right at world sizes {WORLD_SIZES}, p-1 messages to the right"
 
 
-def _reduce_scatter_hint(got: torch.Tensor, rank: int, world: int, n: int) -> str:
+def _reduce_scatter_hint(got: torch.Tensor, rank: int, world: int, n: int, sent: int) -> str:
+    """Name the cause of a wrong output: a chunk index off by one, or a step too few."""
     for chunk in range(world):
         if torch.allclose(got, sum(_value(r, chunk, n) for r in range(world))):
             return (
                 f": that is the full sum of chunk {chunk}. Rank r should end with chunk r; "
-                "check the chunk index you send at each step"
+                "a chunk index is off by one: check the chunk you send at each step, "
+                "(r - s - 1) % world_size at step s"
             )
     for ranks in range(1, world):
         if any(
@@ -198,6 +209,13 @@ def _reduce_scatter_hint(got: torch.Tensor, rank: int, world: int, n: int) -> st
             for first in range(world)
             for c in range(world)
         ):
+            if sent == world - 1:  # every step ran: the sums went into the wrong chunks
+                return (
+                    f": that sums only {ranks} of the {world} ranks' chunks, although your loop "
+                    f"ran world_size - 1 = {world - 1} steps. A chunk index is off by one: what "
+                    "arrives from the left at step s is chunk (r - s - 2) % world_size, so add "
+                    "it into that chunk, the one you send on at step s + 1"
+                )
             return (
                 f": that sums only {ranks} of the {world} ranks' chunks. Does the loop run "
                 f"world_size - 1 steps ({world - 1} here), adding what arrives each time?"

@@ -131,10 +131,11 @@ def train(
     a seed). Workers split each epoch as :func:`~dmlbook.datasets.shard_indices` does, so
     ``consistency=Synchronous()`` equals single-process SGD with batch ``global_batch``;
     ``BoundedStaleness(k)`` and ``Asynchronous()`` let workers run ahead. ``delay`` gives each
-    worker extra seconds per step, to play a straggler. ``members[r]`` lists the worker ranks of
-    step ``r`` (chapter 11's workers that join and leave; synchronous only), instead of
-    ``epochs``. Servers return a :class:`ServerResult`, workers a :class:`WorkerResult`;
-    :func:`assemble_model` puts the model back together.
+    worker extra seconds per step, to play a straggler: a number (every step) or a list (its
+    pause at step s is ``delay[w][s % len(delay[w])]``, e.g. workers that take turns to pause).
+    ``members[r]`` lists the worker ranks of step ``r`` (chapter 11's workers that join and
+    leave; synchronous only), instead of ``epochs``. Servers return a :class:`ServerResult`,
+    workers a :class:`WorkerResult`; :func:`assemble_model` puts the model back together.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -206,9 +207,22 @@ def _check(model, x, y, servers, world, global_batch, lr, epochs, consistency, s
         raise ValueError(f"lr must be a number > 0, got {lr!r}")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if delay is not None and (len(delay) != workers or min(delay) < 0):
-        raise ValueError(f"delay needs {workers} numbers >= 0 (one per worker), got {delay!r}")
+    if delay is not None and (len(delay) != workers or not all(map(_pauses_ok, delay))):
+        raise ValueError(
+            f"delay needs {workers} entries (one per worker), each a number >= 0 or a non-empty "
+            f"list of numbers >= 0 (its pause at step s is entry s % length), got {delay!r}"
+        )
     if len({p.dtype for p in model.parameters()}) != 1:
         raise ValueError("the model's parameters must exist and share one dtype (one flat vector)")
     if next(model.buffers(), None) is not None:
         raise ValueError("ps.train serves parameters only; this model has buffers it cannot sync")
+
+
+def _pauses_ok(pause) -> bool:
+    """A worker's delay: seconds >= 0, or a non-empty sequence of them (a repeating pattern)."""
+    numbers = [pause] if isinstance(pause, (int, float)) else pause
+    return (
+        isinstance(numbers, Sequence)
+        and len(numbers) > 0
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers)
+    )

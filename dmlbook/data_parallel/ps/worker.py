@@ -67,8 +67,9 @@ def _work(
         loss = loss_fn(model(x[idx].to(dev)), y[idx].to(dev))  # the mean over its samples
         model.zero_grad(set_to_none=True)
         (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
-        if delay:
-            time.sleep(delay[me])  # a slower machine
+        if delay:  # a slower machine: the same pause every step, or a pattern of pauses
+            pause = delay[me]
+            time.sleep(pause if isinstance(pause, (int, float)) else pause[step % len(pause)])
         grad = parameters_to_vector([p.grad for p in params]).cpu()
         pending = []
         for s in range(servers):
