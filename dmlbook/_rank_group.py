@@ -3,8 +3,9 @@
 
 A :class:`RankGroup` owns, for one launch or one interactive session:
 
-* a private folder (``meta.pkl`` in, failure reports and stack dumps out) and the ``TCPStore``
-  the ranks rendezvous on, which lives in the caller so that it outlives any rank;
+* a private folder (mode 0700: ``meta.pkl`` in, failure reports and stack dumps out) that also
+  holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only this
+  user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
 * the processes, forked from the warm helper (:mod:`dmlbook._zygote`) or spawned as fresh
   interpreters, each in a session of its own, with ``threads_per_rank`` threads;
 * their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
@@ -18,7 +19,6 @@ name the rank that failed first (never one whose collective broke because a peer
 
 from __future__ import annotations
 
-import datetime
 import linecache
 import os
 import pickle
@@ -34,8 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dmlbook import _rank_process, _rank_server, _zygote
 from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
 
@@ -43,6 +41,7 @@ from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
 PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
 )
+STORE_FILE = "store"  # the FileStore the ranks rendezvous on, in the private folder
 STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
 # Frames of the runtime itself, left out of a stuck rank's stack.
 _OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
@@ -63,24 +62,14 @@ class RankGroup:
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
         self.helper = _start_helper()
-        self.store = None
 
     def start(self, sources: dict[str, list[str]] | None = None) -> None:
         """Write what every rank reads first, then start them, rank 0 first."""
-        # The store lives in the caller, so the rendezvous survives any rank dying.
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            None,
-            True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
         meta = dict(
             world_size=self.world_size,
             backend=self.backend,
             timeout=self.timeout,
-            port=self.store.port,
+            store=str(self.workdir / STORE_FILE),  # the rendezvous, in the private folder
             sys_path=list(sys.path),
             cwd=os.getcwd(),
             sources=sources or {},  # cells' lines, which IPython keeps only in memory
@@ -104,13 +93,12 @@ class RankGroup:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.store.port),
             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            **rendezvous_env(),
         )
         env[INSIDE_RUN] = "1"
-        if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
-            env["GLOO_SOCKET_IFNAME"] = lo
+        for name in ("MASTER_ADDR", "MASTER_PORT"):  # nothing listens for this rendezvous
+            env.pop(name, None)
         pass_fds: list[int] = []
         if self.serve:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -214,7 +202,6 @@ class RankGroup:
             pump.join(timeout=max(0.0, deadline - time.monotonic()))
         self.drain_output()
         shutil.rmtree(self.workdir, ignore_errors=True)
-        self.store = None
 
 
 def _start_helper() -> _zygote.Zygote | None:
@@ -283,6 +270,26 @@ def readable_dump(dump: str) -> str:
                 lines.append(f"    {src}")
         threads.append("\n".join(lines))
     return "\n\n".join(threads)
+
+
+def rendezvous_env() -> dict[str, str]:
+    """What keeps local ranks' own sockets on the loopback interface.
+
+    The rendezvous itself is a ``FileStore`` in the run's private folder. It replaced a
+    ``TCPStore``, which (1) listened on every interface (``*:PORT``, whatever host it was given),
+    so any user or machine that could reach the port could join the rendezvous or write into it,
+    and (2) stalled one launch in ten or so for 5 s here: each ``TCPStore`` connect makes a reverse
+    DNS query for ``127.0.0.1`` (strace: a PTR query for 1.0.0.127.in-addr.arpa to the resolver),
+    and a lost UDP answer costs glibc's 5 s resolver timeout (``socket.getnameinfo`` on
+    ``::ffff:127.0.0.1`` took 5.01 s in 6 of 300 calls here).
+
+    Beyond the store, gloo's pairs and NCCL's bootstrap listen on the interface that these
+    variables name; on one host that is loopback, never an interface the network can reach. They
+    are set for every local rank, whatever the caller's environment says (that would be meant for
+    torchrun across hosts, which does not start ranks through here).
+    """
+    lo = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo} if lo else {}
 
 
 def _loopback_interface() -> str | None:
