@@ -43,6 +43,12 @@ PEER_LOST = re.compile(
 )
 STORE_FILE = "store"  # the FileStore the ranks rendezvous on, in the private folder
 STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
+# A rank that dies without a Python traceback (a signal, os._exit) is reported with the last lines
+# it wrote to stderr: gloo's reason for an abort is there and nowhere else. Its pipe ends when it
+# is gone; a child it started may hold the pipe open, so the wait for its last lines is bounded.
+LAST_WORDS_WAIT_S = 0.5
+LAST_WORDS_LINES = 10  # shown in the error
+_STDERR_KEPT = 400  # lines kept per rank: a faulthandler dump of many threads is long
 # Frames of the runtime itself, left out of a stuck rank's stack.
 _OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
 
@@ -59,6 +65,7 @@ class RankGroup:
         self.controls: list[socket.socket] = []  # serve: the caller's end of each rank's channel
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
+        self.stderr_pumps: dict[int, threading.Thread] = {}
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
         self.helper = _start_helper()
@@ -128,6 +135,8 @@ class RankGroup:
             pump = threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True)
             pump.start()
             self.pumps.append(pump)
+            if name == "stderr":
+                self.stderr_pumps[rank] = pump
         threading.Thread(target=self._wait_exit, args=(rank, proc), daemon=True).start()
 
     def _wait_exit(self, rank: int, proc) -> None:
@@ -149,7 +158,7 @@ class RankGroup:
             except queue.Empty:
                 return
             if name == "stderr":
-                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-20:]
+                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-_STDERR_KEPT:]
             print(f"[rank {rank}] {line}", file=sys.stderr if name == "stderr" else sys.stdout)
 
     def failure(self, rank: int) -> tuple[tuple[bool, float], RankError]:
@@ -157,6 +166,9 @@ class RankGroup:
         died_at, code = self.exits[rank]
         report_file = self.workdir / f"error{rank}.pkl"
         report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
+        if report is None and rank in self.stderr_pumps:  # its last words are all we will have
+            self.stderr_pumps[rank].join(timeout=LAST_WORDS_WAIT_S)
+            self.drain_output()
         return classify_failure(rank, report, died_at, code, self.stderr_tail[rank])
 
     def stack_dumps(self, ranks: list[int]) -> dict[int, str]:
@@ -224,10 +236,15 @@ def classify_failure(
     """
     if report is None:
         how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        tail = "\n".join(stderr_tail[-10:])
+        said, stack = last_words(stderr_tail)
         message = f"rank {rank} failed first: it died with {how} and no Python traceback"
-        message += f"\nLast stderr lines:\n{tail}" if tail else ""
-        return (False, died_at), RankError(message, rank, code)
+        if said:
+            message += "\nIts last lines on stderr:\n" + "\n".join(f"  {line}" for line in said)
+        if stack:
+            message += f"\nWhere it was when it died (faulthandler):\n{stack}"
+        error = RankError(message, rank, code)
+        error.stderr = "\n".join(stderr_tail)
+        return (False, died_at), error
     error = RankError(
         f"rank {rank} failed first: {report['summary']}\n\nOn rank {rank}:\n{report['traceback']}",
         rank,
@@ -239,6 +256,31 @@ def classify_failure(
     except Exception:
         pass
     return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
+
+
+def last_words(stderr_tail: list[str]) -> tuple[list[str], str]:
+    """What a rank that died without a traceback wrote last, and where its Python code was.
+
+    A fatal signal makes faulthandler (enabled in every rank) write ``Fatal Python error: ...``
+    and each thread's stack after whatever the rank wrote before, such as gloo's ``terminate
+    called after throwing an instance of 'gloo::EnforceNotMet' ... Received data size doesn't
+    match expected size``. The lines before the dump are its reason; the dump, without the
+    runtime's own threads and frames, says where the user's code was.
+    """
+    fatal = next(
+        (
+            i
+            for i in range(len(stderr_tail) - 1, -1, -1)
+            if stderr_tail[i].startswith("Fatal Python")
+        ),
+        None,
+    )
+    if fatal is None:
+        return stderr_tail[-LAST_WORDS_LINES:], ""
+    said = [line for line in stderr_tail[:fatal] if line.strip()][-LAST_WORDS_LINES:]
+    dump = [line for line in stderr_tail[fatal + 1 :] if not line.startswith("Extension modules")]
+    stack = readable_dump("\n".join(dump))
+    return said + [stderr_tail[fatal]], stack if "File " in stack else ""
 
 
 def first_failure(failures) -> RankError:

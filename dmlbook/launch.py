@@ -72,13 +72,16 @@ INSIDE_RUN = "DMLBOOK_INSIDE_RUN"
 
 
 class RankError(RuntimeError):
-    """A rank raised or died. ``rank`` is the first rank that failed, ``exitcode`` its exit code."""
+    """A rank raised or died. ``rank`` is the first rank that failed, ``exitcode`` its exit code;
+    for a rank that died without a traceback (a signal), ``stderr`` holds the last lines it wrote
+    to its stderr (the message quotes the last few: gloo's reason for an abort is there)."""
 
     def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback=""):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
+        self.stderr = ""
 
 
 class RankTimeoutError(TimeoutError):

@@ -186,6 +186,38 @@ def test_rank_that_dies_without_traceback(tmp_path, how, code, words):
     _assert_no_orphans(tmp_path, 2)
 
 
+def abort_after_saying(reason):
+    if dist.get_rank() == 1:
+        print(f"rank 1 gives up: {reason}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGABRT)  # the line the error must point at
+    dist.barrier()
+
+
+def test_rank_killed_by_a_signal_is_reported_with_its_last_stderr_lines():
+    with pytest.raises(RankError) as info:
+        run(abort_after_saying, 2, "the sizes differ", timeout=30)
+    message = str(info.value)
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGABRT
+    assert "rank 1 failed first: it died with signal SIGABRT" in message
+    assert "rank 1 gives up: the sizes differ" in message  # what it wrote before it died
+    assert "os.kill(os.getpid(), signal.SIGABRT)" in message  # and where (faulthandler's dump)
+    assert "rank 1 gives up: the sizes differ" in info.value.stderr
+
+
+def sizes_differ():
+    t = torch.ones(4 if dist.get_rank() == 0 else 8)
+    dist.all_reduce(t)  # gloo aborts the rank that receives more than its buffer holds
+
+
+def test_gloo_abort_on_mismatched_sizes_carries_gloos_reason():
+    with pytest.raises(RankError) as info:
+        run(sizes_differ, 2, timeout=30)
+    message = str(info.value)
+    assert info.value.exitcode == -signal.SIGABRT, message
+    assert "Received data size doesn't match expected size" in message
+    assert "dist.all_reduce(t)" in message  # the user's line, from the faulthandler dump
+
+
 def stuck_here(piddir):
     _record_pids(piddir)
     if dist.get_rank() == 0:
