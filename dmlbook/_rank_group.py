@@ -59,8 +59,14 @@ class RankGroup:
     def __init__(self, world_size: int, backend: str, timeout: float, serve: bool = False):
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.serve = serve  # a session's ranks serve requests; a launch's call one function
+        self.helper = _start_helper()  # first: it may refuse (a bad setting) before we own anything
         prefix = "dmlbook-ranks-" if serve else "dmlbook-launch-"
-        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        try:
+            self.workdir = Path(tempfile.mkdtemp(prefix=prefix))  # mode 0700: this user's only
+        except BaseException:
+            if self.helper is not None:
+                self.helper.release()
+            raise
         self.procs: list = []
         self.controls: list[socket.socket] = []  # serve: the caller's end of each rank's channel
         self.output: queue.Queue = queue.Queue()
@@ -68,7 +74,6 @@ class RankGroup:
         self.stderr_pumps: dict[int, threading.Thread] = {}
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
-        self.helper = _start_helper()
 
     def start(self, sources: dict[str, list[str]] | None = None) -> None:
         """Write what every rank reads first, then start them, rank 0 first."""
@@ -214,6 +219,9 @@ class RankGroup:
             pump.join(timeout=max(0.0, deadline - time.monotonic()))
         self.drain_output()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.helper is not None:
+            self.helper.release()  # its ranks are gone: the helper's idle clock starts
+            self.helper = None
 
 
 def _start_helper() -> _zygote.Zygote | None:
@@ -221,7 +229,7 @@ def _start_helper() -> _zygote.Zygote | None:
     if not _zygote.enabled():
         return None
     try:
-        return _zygote.helper()
+        return _zygote.lease()  # given back in close()
     except (OSError, RuntimeError) as e:
         print(f"dmlbook.launch: starting ranks as fresh interpreters ({e})", file=sys.stderr)
         return None

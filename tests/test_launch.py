@@ -525,6 +525,43 @@ def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp
     assert _zygote.helper().process.pid != helper.pid
 
 
+def test_the_helper_leaves_when_idle_and_comes_back(monkeypatch):
+    if not _zygote.enabled():
+        pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
+    from dmlbook.ranks import Ranks
+
+    monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "2")
+    first = run(whose_child, 2)[0]["parent"]
+    helper = _zygote.helper()
+    assert helper.process.pid == first
+    with Ranks(1, timeout=30) as session:  # live ranks hold the helper past its idle time
+        time.sleep(3)
+        assert helper.process.poll() is None and session.exec("rank") == [0]
+    assert helper.process.poll() is None  # idle from now on, not gone yet
+    _wait_for(lambda: helper.process.poll() is not None, 30, "the idle helper did not leave")
+    assert run(whose_child, 2)[0]["parent"] not in (first, os.getpid())  # a new helper
+    # the parameter overrides the environment, and bad values are refused with their name
+    monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "inf")
+    second = _zygote.helper()
+    try:
+        launch.set_helper_idle_timeout(0.5)
+        _wait_for(lambda: second.process.poll() is not None, 30, "set_helper_idle_timeout")
+        with pytest.raises(ValueError, match="seconds"):
+            launch.set_helper_idle_timeout(-1)
+    finally:
+        launch.set_helper_idle_timeout(None)
+    monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "soon")
+    with pytest.raises(ValueError, match="DMLBOOK_HELPER_IDLE_S"):
+        run(whose_child, 1)
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_spawned_ranks_behave_the_same(monkeypatch, tmp_path):
     # DMLBOOK_START=spawn: fresh interpreters, the launcher's other path
     monkeypatch.setenv("DMLBOOK_START", "spawn")
