@@ -289,7 +289,11 @@ class Zygote:
         """Seconds until the helper may leave; None while rank groups hold it."""
         if self._users:
             return None
-        return max(0.0, idle_exit_s() - (time.monotonic() - self._idle_since))
+        try:
+            limit = idle_exit_s()
+        except ValueError:  # a bad setting: the caller hears of it at its next launch
+            limit = IDLE_EXIT_S
+        return max(0.0, limit - (time.monotonic() - self._idle_since))
 
     def _leave_when_idle(self) -> None:
         global _helper
