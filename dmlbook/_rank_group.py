@@ -3,8 +3,9 @@
 
 A :class:`RankGroup` owns, for one launch or one interactive session:
 
-* a private folder (``meta.pkl`` in, failure reports and stack dumps out) and the ``TCPStore``
-  the ranks rendezvous on, which lives in the caller so that it outlives any rank;
+* a private folder (mode 0700: ``meta.pkl`` in, failure reports and stack dumps out) that also
+  holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only this
+  user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
 * the processes, forked from the warm helper (:mod:`dmlbook._zygote`) or spawned as fresh
   interpreters, each in a session of its own, with ``threads_per_rank`` threads;
 * their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
@@ -18,7 +19,6 @@ name the rank that failed first (never one whose collective broke because a peer
 
 from __future__ import annotations
 
-import datetime
 import linecache
 import os
 import pickle
@@ -34,8 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dmlbook import _rank_process, _rank_server, _zygote
 from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
 
@@ -43,7 +41,14 @@ from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
 PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
 )
+STORE_FILE = "store"  # the FileStore the ranks rendezvous on, in the private folder
 STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
+# A rank that dies without a Python traceback (a signal, os._exit) is reported with the last lines
+# it wrote to stderr: gloo's reason for an abort is there and nowhere else. Its pipe ends when it
+# is gone; a child it started may hold the pipe open, so the wait for its last lines is bounded.
+LAST_WORDS_WAIT_S = 0.5
+LAST_WORDS_LINES = 10  # shown in the error
+_STDERR_KEPT = 400  # lines kept per rank: a faulthandler dump of many threads is long
 # Frames of the runtime itself, left out of a stuck rank's stack.
 _OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
 
@@ -54,33 +59,29 @@ class RankGroup:
     def __init__(self, world_size: int, backend: str, timeout: float, serve: bool = False):
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.serve = serve  # a session's ranks serve requests; a launch's call one function
+        self.helper = _start_helper()  # first: it may refuse (a bad setting) before we own anything
         prefix = "dmlbook-ranks-" if serve else "dmlbook-launch-"
-        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
+        try:
+            self.workdir = Path(tempfile.mkdtemp(prefix=prefix))  # mode 0700: this user's only
+        except BaseException:
+            if self.helper is not None:
+                self.helper.release()
+            raise
         self.procs: list = []
         self.controls: list[socket.socket] = []  # serve: the caller's end of each rank's channel
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
+        self.stderr_pumps: dict[int, threading.Thread] = {}
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
-        self.helper = _start_helper()
-        self.store = None
 
     def start(self, sources: dict[str, list[str]] | None = None) -> None:
         """Write what every rank reads first, then start them, rank 0 first."""
-        # The store lives in the caller, so the rendezvous survives any rank dying.
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            None,
-            True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
-        )
         meta = dict(
             world_size=self.world_size,
             backend=self.backend,
             timeout=self.timeout,
-            port=self.store.port,
+            store=str(self.workdir / STORE_FILE),  # the rendezvous, in the private folder
             sys_path=list(sys.path),
             cwd=os.getcwd(),
             sources=sources or {},  # cells' lines, which IPython keeps only in memory
@@ -104,13 +105,12 @@ class RankGroup:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.store.port),
             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            **rendezvous_env(),
         )
         env[INSIDE_RUN] = "1"
-        if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := _loopback_interface()):
-            env["GLOO_SOCKET_IFNAME"] = lo
+        for name in ("MASTER_ADDR", "MASTER_PORT"):  # nothing listens for this rendezvous
+            env.pop(name, None)
         pass_fds: list[int] = []
         if self.serve:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,6 +140,8 @@ class RankGroup:
             pump = threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True)
             pump.start()
             self.pumps.append(pump)
+            if name == "stderr":
+                self.stderr_pumps[rank] = pump
         threading.Thread(target=self._wait_exit, args=(rank, proc), daemon=True).start()
 
     def _wait_exit(self, rank: int, proc) -> None:
@@ -161,7 +163,7 @@ class RankGroup:
             except queue.Empty:
                 return
             if name == "stderr":
-                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-20:]
+                self.stderr_tail[rank] = (self.stderr_tail[rank] + [line])[-_STDERR_KEPT:]
             print(f"[rank {rank}] {line}", file=sys.stderr if name == "stderr" else sys.stdout)
 
     def failure(self, rank: int) -> tuple[tuple[bool, float], RankError]:
@@ -169,6 +171,9 @@ class RankGroup:
         died_at, code = self.exits[rank]
         report_file = self.workdir / f"error{rank}.pkl"
         report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
+        if report is None and rank in self.stderr_pumps:  # its last words are all we will have
+            self.stderr_pumps[rank].join(timeout=LAST_WORDS_WAIT_S)
+            self.drain_output()
         return classify_failure(rank, report, died_at, code, self.stderr_tail[rank])
 
     def stack_dumps(self, ranks: list[int]) -> dict[int, str]:
@@ -214,7 +219,9 @@ class RankGroup:
             pump.join(timeout=max(0.0, deadline - time.monotonic()))
         self.drain_output()
         shutil.rmtree(self.workdir, ignore_errors=True)
-        self.store = None
+        if self.helper is not None:
+            self.helper.release()  # its ranks are gone: the helper's idle clock starts
+            self.helper = None
 
 
 def _start_helper() -> _zygote.Zygote | None:
@@ -222,7 +229,7 @@ def _start_helper() -> _zygote.Zygote | None:
     if not _zygote.enabled():
         return None
     try:
-        return _zygote.helper()
+        return _zygote.lease()  # given back in close()
     except (OSError, RuntimeError) as e:
         print(f"dmlbook.launch: starting ranks as fresh interpreters ({e})", file=sys.stderr)
         return None
@@ -237,10 +244,15 @@ def classify_failure(
     """
     if report is None:
         how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        tail = "\n".join(stderr_tail[-10:])
+        said, stack = last_words(stderr_tail)
         message = f"rank {rank} failed first: it died with {how} and no Python traceback"
-        message += f"\nLast stderr lines:\n{tail}" if tail else ""
-        return (False, died_at), RankError(message, rank, code)
+        if said:
+            message += "\nIts last lines on stderr:\n" + "\n".join(f"  {line}" for line in said)
+        if stack:
+            message += f"\nWhere it was when it died (faulthandler):\n{stack}"
+        error = RankError(message, rank, code)
+        error.stderr = "\n".join(stderr_tail)
+        return (False, died_at), error
     error = RankError(
         f"rank {rank} failed first: {report['summary']}\n\nOn rank {rank}:\n{report['traceback']}",
         rank,
@@ -252,6 +264,31 @@ def classify_failure(
     except Exception:
         pass
     return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
+
+
+def last_words(stderr_tail: list[str]) -> tuple[list[str], str]:
+    """What a rank that died without a traceback wrote last, and where its Python code was.
+
+    A fatal signal makes faulthandler (enabled in every rank) write ``Fatal Python error: ...``
+    and each thread's stack after whatever the rank wrote before, such as gloo's ``terminate
+    called after throwing an instance of 'gloo::EnforceNotMet' ... Received data size doesn't
+    match expected size``. The lines before the dump are its reason; the dump, without the
+    runtime's own threads and frames, says where the user's code was.
+    """
+    fatal = next(
+        (
+            i
+            for i in range(len(stderr_tail) - 1, -1, -1)
+            if stderr_tail[i].startswith("Fatal Python")
+        ),
+        None,
+    )
+    if fatal is None:
+        return stderr_tail[-LAST_WORDS_LINES:], ""
+    said = [line for line in stderr_tail[:fatal] if line.strip()][-LAST_WORDS_LINES:]
+    dump = [line for line in stderr_tail[fatal + 1 :] if not line.startswith("Extension modules")]
+    stack = readable_dump("\n".join(dump))
+    return said + [stderr_tail[fatal]], stack if "File " in stack else ""
 
 
 def first_failure(failures) -> RankError:
@@ -283,6 +320,26 @@ def readable_dump(dump: str) -> str:
                 lines.append(f"    {src}")
         threads.append("\n".join(lines))
     return "\n\n".join(threads)
+
+
+def rendezvous_env() -> dict[str, str]:
+    """What keeps local ranks' own sockets on the loopback interface.
+
+    The rendezvous itself is a ``FileStore`` in the run's private folder. It replaced a
+    ``TCPStore``, which (1) listened on every interface (``*:PORT``, whatever host it was given),
+    so any user or machine that could reach the port could join the rendezvous or write into it,
+    and (2) stalled one launch in ten or so for 5 s here: each ``TCPStore`` connect makes a reverse
+    DNS query for ``127.0.0.1`` (strace: a PTR query for 1.0.0.127.in-addr.arpa to the resolver),
+    and a lost UDP answer costs glibc's 5 s resolver timeout (``socket.getnameinfo`` on
+    ``::ffff:127.0.0.1`` took 5.01 s in 6 of 300 calls here).
+
+    Beyond the store, gloo's pairs and NCCL's bootstrap listen on the interface that these
+    variables name; on one host that is loopback, never an interface the network can reach. They
+    are set for every local rank, whatever the caller's environment says (that would be meant for
+    torchrun across hosts, which does not start ranks through here).
+    """
+    lo = _loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo} if lo else {}
 
 
 def _loopback_interface() -> str | None:

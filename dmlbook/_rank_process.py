@@ -98,14 +98,29 @@ def _orphaned(workdir: Path) -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+_JOINED, _ALL_JOINED = "dmlbook/joined", "dmlbook/all-joined"  # keys of the start-up barrier
+
+
 def _init_process_group(rank: int, meta: dict) -> None:
     timeout = datetime.timedelta(seconds=meta["timeout"] + 10)  # the caller's deadline comes first
-    store = dist.TCPStore("127.0.0.1", meta["port"], None, False, timeout=timeout)
+    # A file in the run's private folder (mode 0700): only this user can join or write into it.
+    # (-1 workers: no rank removes the file; the caller removes the folder.)
+    store = dist.FileStore(meta["store"], -1)
+    store.set_timeout(timeout)
     if meta["backend"] == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
         meta["backend"], store=store, rank=rank, world_size=meta["world_size"], timeout=timeout
     )
+    # No rank goes on (and may finish and exit) before every rank has *returned* from
+    # init_process_group: gloo's connectFullMesh on a slower rank can still be using a pair whose
+    # other end has already returned, and that end's exit failed it ("Gloo connectFullMesh failed
+    # ... Connection closed by peer"; 1 launch in 5 to 80 of a 2-rank function without a
+    # collective, here). A store barrier, not dist.barrier(): no collective is spent on it, and
+    # under NCCL it creates no communicator.
+    if store.add(_JOINED, 1) == meta["world_size"]:
+        store.set(_ALL_JOINED, b"1")
+    store.wait([_ALL_JOINED])
 
 
 def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:

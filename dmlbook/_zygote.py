@@ -17,6 +17,12 @@ process per caller (the name is Android's, whose app processes fork from one war
   part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
 * When the caller goes away, its end of the socket closes and the helper exits; its ranks see
   their parent gone and kill themselves, as spawned ranks do when the caller dies.
+* It leaves when it has been idle (no ranks alive, none starting) for ``$DMLBOOK_HELPER_IDLE_S``
+  seconds (default :data:`IDLE_EXIT_S`; :func:`dmlbook.launch.set_helper_idle_timeout` sets it
+  from code), and the next launch starts a new one. A notebook kernel left open then costs its
+  own memory only: on a class server, thirty kernels that each kept a helper (and its copy of
+  torch's heap) would run out of memory first. The caller's side decides, under the same lock that
+  hands out the helper, so a launch never meets a helper that is on its way out.
 
 ``DMLBOOK_START=spawn`` starts every rank as a fresh interpreter instead: use it when a variable
 that torch reads only at import (``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``) must differ in the ranks.
@@ -32,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Imported before the helper says it is ready (every rank needs them) ...
@@ -49,6 +56,8 @@ _MAX_MESSAGE = 1 << 20
 # finds them: comma-separated numbers in this environment variable.
 PASSED_FDS = "DMLBOOK_PASSED_FDS"
 _MAX_FDS = 3
+IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
+IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 
 
 # --------------------------------------------------------------------------- the helper's side
@@ -202,12 +211,16 @@ class Zygote:
         self._exit_codes: dict[int, int] = {}  # pid -> exit code (negative: killed by a signal)
         self._next_id = 0
         self._alive = True
+        self._users = 0  # rank groups holding it (a lease each); it may leave only at 0
+        self._idle = threading.Condition()  # guards _users and _idle_since
+        self._idle_since = time.monotonic()
         ready = select.select([self.sock], [], [], START_TIMEOUT_S)[0]
         message = self.sock.recv(_MAX_MESSAGE) if ready else b""
         if not message or pickle.loads(message)[0] != "ready":
             self.close()
             raise RuntimeError("the rank helper process did not start")
         threading.Thread(target=self._listen, daemon=True, name="dmlbook-zygote").start()
+        threading.Thread(target=self._leave_when_idle, daemon=True, name="dmlbook-idle").start()
 
     def alive(self) -> bool:
         return self._alive and self.owner == os.getpid() and self.process.poll() is None
@@ -254,6 +267,8 @@ class Zygote:
                 if not message:  # the helper is gone, and with it every rank it forked
                     self._alive = False
                     self._changed.notify_all()
+                    with self._idle:
+                        self._idle.notify_all()  # its idle watch ends too
                     return
                 kind, key, value = pickle.loads(message)
                 if kind == "started":
@@ -263,8 +278,42 @@ class Zygote:
                     self._exit_codes[key] = value
                 self._changed.notify_all()
 
+    def release(self) -> None:
+        """A rank group is done with the helper (its ranks are gone): the idle clock starts."""
+        with self._idle:
+            self._users -= 1
+            self._idle_since = time.monotonic()
+            self._idle.notify_all()
+
+    def _idle_left(self) -> float | None:
+        """Seconds until the helper may leave; None while rank groups hold it."""
+        if self._users:
+            return None
+        try:
+            limit = idle_exit_s()
+        except ValueError:  # a bad setting: the caller hears of it at its next launch
+            limit = IDLE_EXIT_S
+        return max(0.0, limit - (time.monotonic() - self._idle_since))
+
+    def _leave_when_idle(self) -> None:
+        global _helper
+        while True:
+            with self._idle:
+                while self._alive and self._idle_left() != 0.0:
+                    self._idle.wait(self._idle_left())
+                if not self._alive:
+                    return
+            with _helper_lock, self._idle:  # the order lease() takes them in
+                if self._idle_left() == 0.0:  # no launch leased it meanwhile
+                    self.close()
+                    if _helper is self:
+                        _helper = None
+                    return
+
     def close(self) -> None:
-        self._alive = False
+        with self._idle:
+            self._alive = False
+            self._idle.notify_all()
         self.sock.close()
         self.process.kill()
         self.process.wait()
@@ -282,10 +331,55 @@ def enabled() -> bool:
     return start == "fork" and sys.platform == "linux"
 
 
+_idle_exit_override: float | None = None
+
+
+def idle_exit_s() -> float:
+    """How long the helper stays without ranks: :func:`set_idle_exit`'s value, else
+    ``$DMLBOOK_HELPER_IDLE_S``, else :data:`IDLE_EXIT_S` (seconds; ``inf``: never leaves)."""
+    if _idle_exit_override is not None:
+        return _idle_exit_override
+    value = os.environ.get(IDLE_ENV)
+    return IDLE_EXIT_S if value is None else _checked_idle(value, f"${IDLE_ENV}")
+
+
+def set_idle_exit(seconds: float | None) -> None:
+    """Set how long the helper stays without ranks (None: back to the environment's value)."""
+    global _idle_exit_override
+    _idle_exit_override = None if seconds is None else _checked_idle(seconds, "seconds")
+    with _helper_lock:
+        current = _helper
+    if current is not None:
+        with current._idle:
+            current._idle.notify_all()  # it looks at its deadline again
+
+
+def _checked_idle(value, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not seconds > 0:  # also rejects nan
+        raise ValueError(f"{name} must be a number of seconds > 0 (or inf), got {value!r}")
+    return seconds
+
+
 def helper() -> Zygote:
-    """This process's helper, started on first use (and again if it died)."""
+    """This process's helper, started on first use (and again if it died or left)."""
     global _helper
     with _helper_lock:
         if _helper is None or not _helper.alive():
             _helper = Zygote()
+        return _helper
+
+
+def lease() -> Zygote:
+    """The helper, held by a rank group until it calls ``release()``: it does not leave before."""
+    global _helper
+    idle_exit_s()  # a bad $DMLBOOK_HELPER_IDLE_S is the caller's error, raised here
+    with _helper_lock:
+        if _helper is None or not _helper.alive():
+            _helper = Zygote()
+        with _helper._idle:
+            _helper._users += 1
         return _helper

@@ -23,6 +23,11 @@ that failed first (with its traceback); ranks still running at ``timeout`` becom
 :class:`RankTimeoutError` with a stack dump of each stuck rank. Every child is gone when ``run``
 returns or raises.
 
+The warm helper leaves after a few idle minutes (:func:`set_helper_idle_timeout`) and comes back
+on the next launch. The ranks rendezvous through a ``FileStore`` in the launch's private folder,
+and their own sockets stay on the loopback interface (:func:`dmlbook._rank_group.rendezvous_env`):
+no other user, and nothing on the network, can join or reach them through the rendezvous.
+
 ``run`` starts fresh ranks every call. For ranks that live across notebook cells (chapters 2
 and 9), :class:`Ranks` (``dmlbook.launch.Ranks``, from :mod:`dmlbook.ranks`) keeps them and their
 namespaces until it is closed; ``%load_ext dmlbook`` puts it behind ``%ranks`` and ``%%ranks``.
@@ -50,6 +55,7 @@ from dmlbook._rank_process import exit_now
 
 __all__ = [
     "run",
+    "set_helper_idle_timeout",
     "Ranks",  # noqa: F822 (imported on first use, by __getattr__ below)
     "device",
     "exit_now",
@@ -72,13 +78,16 @@ INSIDE_RUN = "DMLBOOK_INSIDE_RUN"
 
 
 class RankError(RuntimeError):
-    """A rank raised or died. ``rank`` is the first rank that failed, ``exitcode`` its exit code."""
+    """A rank raised or died. ``rank`` is the first rank that failed, ``exitcode`` its exit code;
+    for a rank that died without a traceback (a signal), ``stderr`` holds the last lines it wrote
+    to its stderr (the message quotes the last few: gloo's reason for an abort is there)."""
 
     def __init__(self, message: str, rank: int, exitcode: int | None = None, remote_traceback=""):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
+        self.stderr = ""
 
 
 class RankTimeoutError(TimeoutError):
@@ -95,6 +104,17 @@ def device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def set_helper_idle_timeout(seconds: float | None) -> None:
+    """How long the warm helper that forks the ranks (:mod:`dmlbook._zygote`) stays while no ranks
+    live, in seconds (``float("inf")``: for ever); the next launch starts it again (1-2 s of
+    importing torch). ``None`` goes back to ``$DMLBOOK_HELPER_IDLE_S``, else 5 minutes. On a class
+    server a shorter time frees each idle learner's helper sooner (its memory: README, instructors).
+    """
+    from dmlbook import _zygote
+
+    _zygote.set_idle_exit(seconds)
 
 
 def threads_per_rank(world_size: int) -> int:

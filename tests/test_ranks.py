@@ -193,6 +193,23 @@ def test_a_hang_times_out_with_stacks_and_a_rank_stuck_in_a_collective_needs_a_r
         assert session.exec("'kept' in globals(), rank") == [(False, r) for r in range(3)]
 
 
+def test_a_session_rank_killed_by_a_signal_is_reported_with_its_last_stderr_lines():
+    # What C++ code writes (gloo's reason for an abort) reaches the rank's stderr pipe, not the
+    # session's channel: os.write to descriptor 2 stands in for it.
+    with Ranks(2, timeout=30) as session:
+        with pytest.raises(RankError) as info:
+            session.exec(
+                "import os, signal\n"
+                "if rank == 1:\n"
+                "    os.write(2, b'what(): Received data size does not match\\n')\n"
+                "    os.kill(os.getpid(), signal.SIGABRT)\n"
+            )
+        message = str(info.value)
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGABRT
+        assert "died with signal SIGABRT" in message and "session is closed" in message
+        assert "what(): Received data size does not match" in message
+
+
 def test_a_rank_that_dies_closes_the_session_and_the_next_request_says_restart():
     with Ranks(2, timeout=30) as session:
         pids = _pids(session)

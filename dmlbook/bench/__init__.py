@@ -1,7 +1,9 @@
 """Benchmarks: each teaching implementation against torch's own, measured in the same run (the
 numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its chapter).
 
-    python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn
+    python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn;
+                                             # 200 launches at world size 4 (median, p95, > 1 s),
+                                             # a Ranks session's start, memory (PSS) per learner
     python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run
     python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
     python -m dmlbook.bench ddp --world-size 2 --json out.json

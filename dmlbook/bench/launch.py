@@ -1,22 +1,36 @@
 """``python -m dmlbook.bench launch``: what starting ranks costs (the launcher every chapter uses).
 
-The wall time from the call to the results of one all-reduce on N new ranks: ranks forked from
-:func:`dmlbook.launch.run`'s warm helper (the default), ranks as fresh interpreters
-(``DMLBOOK_START=spawn``), and torch's ``mp.spawn`` around the same rank function.
+* The wall time from the call to the results of one all-reduce on N new ranks: ranks forked from
+  :func:`dmlbook.launch.run`'s warm helper (the default), ranks as fresh interpreters
+  (``DMLBOOK_START=spawn``), and torch's ``mp.spawn`` around the same rank function.
+* The tail: 200 launches at world size 4, their median, p95, slowest and how many took over 1 s
+  (the goal is none; a TCPStore rendezvous stalled about one in ten for 5 s, see
+  :func:`dmlbook._rank_group.rendezvous_env`), and the start of a ``Ranks`` session.
+* The memory one learner's live ranks cost, as PSS (``/proc/PID/smaps_rollup``: shared pages
+  split among the processes that share them, so the figures add up): the caller, the helper
+  and each rank of a ``Ranks`` session at world sizes 2 and 4. Ranks fork from the helper and
+  share its copy of torch, which RSS would count once per process.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmlbook.bench import _one_all_reduce, _report
+from dmlbook import _zygote
+from dmlbook.bench import _load_average, _one_all_reduce, _report
 from dmlbook.launch import free_port, run, threads_per_rank
+from dmlbook.ranks import Ranks
+
+TAIL_LAUNCHES = 200
+TAIL_WORLD_SIZE = 4
+SLOW_S = 1.0
 
 
 def _torch_spawn_rank(rank: int, world_size: int, port: int) -> None:
@@ -31,6 +45,15 @@ def _torch_spawn_rank(rank: int, world_size: int, port: int) -> None:
 
 
 def bench_launch(repeats: int = 5) -> None:
+    """Every figure of this module: the comparison, the tail, a session's start, the memory."""
+    print(_load_average())
+    bench_launch_vs_torch(repeats)
+    bench_launch_tail()
+    bench_session_start(repeats)
+    bench_memory()
+
+
+def bench_launch_vs_torch(repeats: int = 5) -> None:
     """Wall time from the call to the results of one all-reduce on N new ranks: ranks forked
     from the warm helper (the default), ranks as fresh interpreters (``DMLBOOK_START=spawn``),
     and torch's ``mp.spawn``, interleaved."""
@@ -54,3 +77,80 @@ def bench_launch(repeats: int = 5) -> None:
             theirs.append(time.perf_counter() - start)
         _report(f"launch + all-reduce, {world_size} ranks, forked", forked, theirs)
         _report(f"launch + all-reduce, {world_size} ranks, spawned", spawned, theirs)
+
+
+def bench_launch_tail(launches: int = TAIL_LAUNCHES, world_size: int = TAIL_WORLD_SIZE) -> dict:
+    """``launches`` launches of one all-reduce at ``world_size``: median, p95, max, over 1 s."""
+    run(_one_all_reduce, 1)  # a helper that is already up
+    times = []
+    for _ in range(launches):
+        start = time.perf_counter()
+        run(_one_all_reduce, world_size)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    figures = dict(
+        median=statistics.median(times),
+        p95=times[min(len(times) - 1, round(0.95 * len(times)) - 1)],
+        slowest=times[-1],
+        over_1s=sum(t > SLOW_S for t in times),
+    )
+    print(
+        f"launch + all-reduce, {world_size} ranks, {launches} launches: median "
+        f"{figures['median']:.3f} s, p95 {figures['p95']:.3f} s, "
+        f"slowest {figures['slowest']:.3f} s, over {SLOW_S:g} s: {figures['over_1s']}"
+        f"   ({_load_average()})"
+    )
+    return figures
+
+
+def bench_session_start(repeats: int = 5) -> None:
+    """From ``Ranks(N)`` to ranks that answer (their process group is up), then close."""
+    run(_one_all_reduce, 1)  # a helper that is already up: its own start is not the session's
+    for world_size in (2, 4):
+        starts = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with Ranks(world_size) as session:
+                starts.append(time.perf_counter() - start)
+                session.exec("t = torch.ones(1); dist.all_reduce(t)")
+        print(
+            f"Ranks({world_size}) start: median {statistics.median(starts):.3f} s,"
+            f" slowest {max(starts):.3f} s over {repeats}"
+        )
+
+
+def pss_mib(pid: int) -> float | None:
+    """A process's proportional set size in MiB (Linux), None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def bench_memory() -> list[dict]:
+    """PSS of the caller, the helper and each rank while a ``Ranks`` session is live."""
+    records = []
+    for world_size in (2, 4):
+        with Ranks(world_size) as session:
+            # what a chapter's cell leaves behind: a process group that has run a collective
+            session.exec("t = torch.ones(1 << 10); dist.all_reduce(t)")
+            ranks = [pss_mib(s.pid) for s in session.status()]
+            helper = pss_mib(_zygote.helper().process.pid) if _zygote.enabled() else None
+            caller = pss_mib(os.getpid())
+        if None in ranks or caller is None:
+            print("memory: /proc/PID/smaps_rollup is not readable here (Linux only)")
+            return records
+        total = caller + (helper or 0.0) + sum(ranks)
+        print(
+            f"memory (PSS), Ranks({world_size}) live: caller {caller:.0f} MiB, helper "
+            f"{helper or 0:.0f} MiB, ranks {' + '.join(f'{r:.0f}' for r in ranks)} MiB;"
+            f" one learner {total:.0f} MiB"
+        )
+        records.append(
+            dict(world_size=world_size, caller=caller, helper=helper, ranks=ranks, total=total)
+        )
+    return records
