@@ -45,7 +45,7 @@ install: $(STAMP)
 # requirements.lock from pyproject.toml's ranges: the newest versions they allow today, for
 # Python $(LOCK_PYTHON) with torch's CPU build. Commit the result; environment.yml reads it too.
 lock: lock-constraints.txt | $(UV)
-	$(UV) pip compile pyproject.toml --extra dev --python-version $(LOCK_PYTHON) --quiet \
+	$(UV) pip compile pyproject.toml --extra dev --extra classroom --python-version $(LOCK_PYTHON) --quiet \
 		$(TORCH_SOURCE) --constraint lock-constraints.txt --no-emit-find-links \
 		--custom-compile-command "make lock" --output-file $(LOCK)
 
