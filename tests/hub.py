@@ -137,6 +137,24 @@ def listening_sockets() -> dict[int, tuple[str, int]]:
     return found
 
 
+def port_holders(ports: set[int], marker: str) -> dict[int, list[tuple[int, str, bool]]]:
+    """Who listens on these ports now: port -> [(pid, command line, carries the run's marker)]."""
+    wanted = {inode: port for inode, (_, port) in listening_sockets().items() if port in ports}
+    holders: dict[int, list[tuple[int, str, bool]]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        for inode in _socket_inodes(pid) & wanted.keys():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                cmd = "?"
+            marked = _has_marker(pid, f"{MARKER}={marker}".encode())
+            holders.setdefault(wanted[inode], []).append((pid, cmd[:160], marked))
+    return holders
+
+
 def listening_ports() -> set[int]:
     return {port for _, port in listening_sockets().values()}
 
