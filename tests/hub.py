@@ -74,8 +74,8 @@ class ProcessSampler(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.marker = root, f"{MARKER}={marker}".encode()
         self.seen: dict[tuple[int, int], str] = {}
-        # every port a process of the run listened on: port -> (address in hex, command line)
-        self.listened: dict[int, tuple[str, str]] = {}
+        # every port a process of the run listened on: (port, pid) -> (address in hex, command)
+        self.listened: dict[tuple[int, int], tuple[str, str]] = {}
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
@@ -104,7 +104,7 @@ class ProcessSampler(threading.Thread):
         for pid in ours:
             for inode in _socket_inodes(pid) & sockets.keys():
                 address, port = sockets[inode]
-                self.listened.setdefault(port, (address, self.seen[(pid, table[pid][1])]))
+                self.listened[(port, pid)] = (address, self.seen[(pid, table[pid][1])])
 
     def run(self) -> None:
         while not self._stop_event.is_set():
