@@ -23,6 +23,6 @@ c.Exchange.root = os.environ.get("DMLBOOK_EXCHANGE", "/srv/nbgrader/exchange")
 # A cell's time limit when nbgrader runs a notebook (autograde, validate). nbgrader's default, 30 s,
 # fails chapter 13's network-lab cell (30-38 s on the quiet 2-core reference machine). The longest
 # cell of any chapter, measured under nbval on that machine shared with other jobs (load average
-# 15-25 on 2 cores): 33-109 s, and one of chapter 4's cells passed nbval's 120 s limit once
+# 15-25 on 2 cores): 18-109 s, and one of chapter 4's cells passed nbval's 120 s limit once
 # (README, "For instructors"). 300 s fits those with margin; a cell that hangs still fails.
 c.Execute.timeout = 300
