@@ -115,6 +115,11 @@ class ProcessSampler(threading.Thread):
         self._stop_event.set()
         self.join(5)
 
+    def started_by_run(self, pid: int) -> bool:
+        """Is this running pid a process the run started (the same pid and start time)?"""
+        st = _stat(pid)
+        return bool(st) and (pid, st[1]) in self.seen
+
     def alive(self) -> dict[int, str]:
         """The recorded processes still running (zombies count as gone)."""
         left = {}
@@ -365,7 +370,8 @@ def start_hub(folder: Path, learners: list[str], password: str, timeout: float =
 class ChapterRun:
     learner: str
     seconds: float = 0.0
-    cells: list[tuple[int, float]] = field(default_factory=list)  # (cell index, seconds)
+    cells: list[tuple[int, float]] = field(default_factory=list)  # (cell index, seconds) run
+    code_cells: int = 0  # the notebook's code cells that have code
     errors: list[str] = field(default_factory=list)
 
 
@@ -395,6 +401,9 @@ def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> C
     r = hub.server(name, "GET", f"contents/{path}")
     r.raise_for_status()
     notebook = nbformat.from_dict(r.json()["content"])
+    result.code_cells = sum(
+        c.cell_type == "code" and bool(c.source.strip()) for c in notebook.cells
+    )
     r = hub.server(
         name,
         "POST",
