@@ -21,9 +21,13 @@ LOCK_PYTHON := 3.11
 TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheels,\
 	--index-strategy unsafe-best-match --extra-index-url https://download.pytorch.org/whl/cpu)
 TORCH ?=
+# JupyterHub's proxy for the classroom (`make classroom-proxy`). `make test` installs it where npm
+# is found, so that the hub test runs; without node that test skips and says why.
+CHP := classroom/node_modules/.bin/configurable-http-proxy
+HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 
 .PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
-	student grade book gpu-check
+	student grade book gpu-check classroom-proxy
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
 # lock does not hold); the package itself goes in editable, without touching the pins.
@@ -45,7 +49,7 @@ install: $(STAMP)
 # requirements.lock from pyproject.toml's ranges: the newest versions they allow today, for
 # Python $(LOCK_PYTHON) with torch's CPU build. Commit the result; environment.yml reads it too.
 lock: lock-constraints.txt | $(UV)
-	$(UV) pip compile pyproject.toml --extra dev --python-version $(LOCK_PYTHON) --quiet \
+	$(UV) pip compile pyproject.toml --extra dev --extra classroom --python-version $(LOCK_PYTHON) --quiet \
 		$(TORCH_SOURCE) --constraint lock-constraints.txt --no-emit-find-links \
 		--custom-compile-command "make lock" --output-file $(LOCK)
 
@@ -58,7 +62,7 @@ lab: $(STAMP)
 # The README's test command: every test and every chapter (nbval) with the given Python.
 run_tests = MPLBACKEND=Agg $(1) -m pytest tests chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(HUB_PROXY)
 	$(call run_tests,$(PY))
 
 test-unit: $(STAMP)
@@ -102,6 +106,15 @@ grade: $(STAMP)
 book: $(STAMP)
 	env -u MPLBACKEND $(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
 		--output-dir build/book chapters/*.ipynb
+
+# A class on one server (classroom/, README "For instructors"): JupyterHub's proxy from npm, exactly
+# the versions in classroom/package-lock.json, into classroom/node_modules (not global). The hub
+# configuration and the `hub` test find it there. Needs node and npm.
+$(CHP): classroom/package.json classroom/package-lock.json
+	npm ci --prefix classroom --no-audit --no-fund --loglevel=error
+	touch $(CHP)
+
+classroom-proxy: $(CHP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmlbook tests examples

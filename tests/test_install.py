@@ -44,10 +44,10 @@ def lock_pins() -> dict[str, Version]:
 
 
 def project_requirements() -> list[Requirement]:
-    """pyproject.toml's dependencies and its dev extra (tomllib is 3.11+; we allow 3.10)."""
+    """pyproject.toml's dependencies and its extras (tomllib is 3.11+; we allow 3.10)."""
     text = (REPO / "pyproject.toml").read_text()
     found = []
-    for table in ("dependencies", "dev"):
+    for table in ("dependencies", "dev", "classroom"):
         block = re.search(rf"^{table} = \[(.*?)^\]", text, re.MULTILINE | re.DOTALL)
         assert block, f"pyproject.toml has no {table} list"
         found += [Requirement(r) for r in re.findall(r'"([^"]+)"', block.group(1))]

@@ -14,10 +14,10 @@ enough to read:
   publishes its count, then waits until every rank's count has reached it. No message, no TCP.
   (This relies on x86-64's store order: data written before a counter is seen before it.)
 * **All-reduce = reduce-scatter + all-gather through memory.** Each rank copies its tensor into
-  its slot; barrier; rank r adds up chunk r of every slot (the same chunks as chapter 2's ring)
-  and writes the sum into slot 0 and its own tensor; barrier; each rank copies the other chunks
-  of the sum out of slot 0; barrier (before the slots are written again). Each rank moves about
-  3x the tensor's bytes through memory, and no byte crosses a socket.
+  its slot, all but chunk r (the same chunks as chapter 2's ring), which only rank r needs;
+  barrier; rank r adds chunk r of every other slot into its own tensor and puts the sum into
+  chunk r of its slot; barrier; each rank copies every other chunk of the sum from its owner's
+  slot; barrier (before the slots are written again). No byte crosses a socket.
 
 The functions follow ``torch.distributed``'s signatures. ``check`` is free here: each rank writes
 its tensor's size and dtype into the header at the first barrier, and every rank compares them,
@@ -136,19 +136,22 @@ class SharedMemoryGroup:
         per_slot = self.slots.shape[1] // flat.element_size()
         for start in range(0, max(1, flat.numel()), per_slot):  # once, even when empty
             piece = flat[start : start + per_slot]
-            self.slot(self.rank, piece.dtype, piece.numel()).copy_(piece)  # 1. my data in
+            blocks = balanced_blocks(piece.numel(), self.size)  # chunk r is rank r's to reduce
+            lo, hi = blocks[self.rank]
+            mine = self.slot(self.rank, piece.dtype, piece.numel())
+            mine[:lo].copy_(piece[:lo])  # 1. my data in, but for my own chunk: nobody else
+            mine[hi:].copy_(piece[hi:])  #    needs it, and I keep it where it is
             self.barrier(flat.numel(), piece.dtype)
             self.check_same("all_reduce tensor sizes or dtypes")
-            lo, hi = balanced_blocks(piece.numel(), self.size)[self.rank]
-            total = self.slot(0, piece.dtype, piece.numel())[lo:hi]  # 2. my chunk, summed
-            for r in range(1, self.size):
-                _combine(total, self.slot(r, piece.dtype, piece.numel())[lo:hi], op)
-            piece[lo:hi].copy_(total)
+            for r in range(self.size):  # 2. my chunk, reduced over every rank's data
+                if r != self.rank:
+                    _combine(piece[lo:hi], self.slot(r, piece.dtype, piece.numel())[lo:hi], op)
+            mine[lo:hi].copy_(piece[lo:hi])  # where the others will read it
             self.barrier()
-            result = self.slot(0, piece.dtype, piece.numel())  # 3. the others' chunks out
-            piece[:lo].copy_(result[:lo])
-            piece[hi:].copy_(result[hi:])
-            self.barrier()  # slot 0 is read by all before anyone writes a slot again
+            for r, (a, b) in enumerate(blocks):  # 3. the other chunks, from their owners' slots
+                if r != self.rank:
+                    piece[a:b].copy_(self.slot(r, piece.dtype, piece.numel())[a:b])
+            self.barrier()  # the slots are read by all before anyone writes them again
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """``out`` (size x numel, contiguous) gets every rank's ``flat``, in pieces."""
