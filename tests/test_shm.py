@@ -160,3 +160,14 @@ def _lonely_barrier():
 def test_a_rank_that_never_arrives_is_a_timeout_naming_it():
     said, _ = run(_lonely_barrier, 2, timeout=30)
     assert "ranks [1] did not arrive" in said
+
+
+def _as_if_on_another_host():
+    if dist.get_rank() == 1:
+        shm._boot_id = lambda: torch.tensor([1, 2])  # another machine's boot
+    shm.SharedMemoryGroup.create()
+
+
+def test_ranks_on_two_hosts_are_refused_naming_the_rank():
+    with pytest.raises(RankError, match="rank 1 is not on group rank 0's"):
+        run(_as_if_on_another_host, 2, timeout=30)

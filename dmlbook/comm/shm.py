@@ -71,17 +71,28 @@ class SharedMemoryGroup:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         header_bytes = size * _HEADER_WORDS * 8
         total = header_bytes + size * slot_bytes
-        where = [None]
         if rank == 0:
             fd = os.memfd_create("dmlbook-shm", os.MFD_CLOEXEC)  # a label, not a name to share
             os.ftruncate(fd, total)
-            where = [(os.getpid(), fd)]
-        # The only message: where the buffer is. A global rank, as broadcast wants.
-        root = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(where, src=root, group=group)
+            where = _where(fd)
+        else:
+            where = torch.zeros(6, dtype=torch.int64)
+        # The only message, a tensor (nothing to unpickle): where the buffer is, and the boot
+        # it is on. broadcast wants the global rank of the group's rank 0.
+        dist.broadcast(
+            where, src=0 if group is None else dist.get_global_rank(group, 0), group=group
+        )
         if rank != 0:
-            pid, their_fd = where[0]
+            pid, their_fd = int(where[0]), int(where[1])
+            if not torch.equal(where[4:], _boot_id()):
+                raise ValueError(
+                    "the shared-memory transport needs every rank of the group on one host; "
+                    f"rank {rank} is not on group rank 0's (use gloo or NCCL across hosts)"
+                )
             fd = os.open(f"/proc/{pid}/fd/{their_fd}", os.O_RDWR | os.O_CLOEXEC)
+            if not torch.equal(_where(fd, pid, their_fd), where):  # the very same file
+                os.close(fd)
+                raise RuntimeError(f"rank {rank} opened another file than group rank 0's buffer")
         memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8)
         dist.barrier(group=group)  # every rank has mapped it: the file itself may go
         os.close(fd)  # the mappings keep the memory; the last one gone frees it
@@ -183,6 +194,20 @@ class SharedMemoryGroup:
             for r in range(1, self.size):
                 _combine(mine, rows[r][self.rank], op)
             self.barrier()
+
+
+def _boot_id() -> torch.Tensor:
+    """This boot of this machine, as two int64: equal on two ranks only on the same host."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        raw = bytes.fromhex(f.read().strip().replace("-", ""))
+    return torch.tensor([int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8)])
+
+
+def _where(fd: int, pid: int | None = None, number: int | None = None) -> torch.Tensor:
+    """[pid, fd number, inode, device, boot id (2 words)] of the buffer file ``fd``."""
+    info = os.fstat(fd)
+    pid, number = (os.getpid(), fd) if pid is None else (pid, number)
+    return torch.cat([torch.tensor([pid, number, info.st_ino, info.st_dev]), _boot_id()])
 
 
 _GROUPS: dict[object, SharedMemoryGroup] = {}
