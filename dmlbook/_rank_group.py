@@ -36,6 +36,7 @@ from pathlib import Path
 
 from dmlbook import _rank_process, _rank_server, _zygote
 from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
+from dmlbook.owners import Owner
 
 # How gloo and NCCL say that a peer went away: such a rank failed because another one did.
 PEER_LOST = re.compile(
@@ -53,6 +54,28 @@ _STDERR_KEPT = 400  # lines kept per rank: a faulthandler dump of many threads i
 _OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
 
 
+_FOLDER = re.compile(r"dmlbook-(?:ranks|launch)-(?P<owner>\d+-\d+@[A-Za-z0-9._-]+)-\w+")
+_swept = False
+
+
+def _remove_dead_callers_folders() -> None:
+    """Once per process: remove the private folders of callers that were killed before they
+    could (a kernel killed with ``kill -9``), recognised by their dead owner, never by name;
+    only this user's, and never a live caller's."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    root = Path(tempfile.gettempdir())
+    for entry in os.scandir(root):
+        found = _FOLDER.fullmatch(entry.name)
+        if not (found and entry.is_dir(follow_symlinks=False)):
+            continue
+        owner = Owner.parse(found["owner"])
+        if owner and entry.stat(follow_symlinks=False).st_uid == os.getuid() and owner.is_dead():
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 class RankGroup:
     """``world_size`` rank processes with a process group each; ``close()`` kills them all."""
 
@@ -60,9 +83,11 @@ class RankGroup:
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.serve = serve  # a session's ranks serve requests; a launch's call one function
         self.helper = _start_helper()  # first: it may refuse (a bad setting) before we own anything
-        prefix = "dmlbook-ranks-" if serve else "dmlbook-launch-"
+        kind = "ranks" if serve else "launch"
         try:
-            self.workdir = Path(tempfile.mkdtemp(prefix=prefix))  # mode 0700: this user's only
+            _remove_dead_callers_folders()
+            # mode 0700: this user's only; the name says whose it is, should the caller be killed
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"dmlbook-{kind}-{Owner.me().token()}-"))
         except BaseException:
             if self.helper is not None:
                 self.helper.release()

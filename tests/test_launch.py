@@ -627,3 +627,32 @@ def test_exit_now_flushes_what_was_printed_and_keeps_the_exit_code():
 
     assert leave_with("os._exit(3)") == (3, "")  # the control: the line was still buffered
     assert leave_with("exit_now(3)") == (3, "printed\n")
+
+
+def test_a_killed_callers_folder_is_removed_by_its_dead_owner_never_a_live_one(
+    tmp_path, monkeypatch
+):
+    """Ranks remove their launch folder when their caller dies; if they die with it (the whole
+    session killed), the next launch in any process of this user removes what is left, knowing
+    it by its dead owner (pid and start time), never by its name."""
+    from dmlbook import _rank_group
+    from dmlbook.owners import Owner
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = Owner(gone.pid, Owner.of(gone.pid).start, Owner.me().host)
+    gone.wait()
+    reused = Owner(os.getpid(), Owner.me().start + 1, Owner.me().host)  # our pid, another start
+    folders = {
+        "dead": tmp_path / f"dmlbook-launch-{dead.token()}-abc123",
+        "reused pid": tmp_path / f"dmlbook-ranks-{reused.token()}-def456",
+        "live": tmp_path / f"dmlbook-ranks-{Owner.me().token()}-ghi789",
+        "not ours": tmp_path / "dmlbook-launch-someone-else",
+    }
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "store").write_text("x")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_rank_group, "_swept", False)
+    _rank_group._remove_dead_callers_folders()
+    left = {name for name, folder in folders.items() if folder.exists()}
+    assert left == {"live", "not ours"}
