@@ -110,14 +110,7 @@ def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
     assert not (clone / ".venv").exists()
-    # The newcomer's shell: no virtual environment active, nothing of ours on the path.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS", "MAKEFLAGS", "MAKELEVEL")
-    }
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bin_dir)
+    env = newcomer_env()  # no virtual environment active, nothing of ours on the path
     setup = subprocess.run(
         readme_setup_command(),
         shell=True,
