@@ -26,7 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 def _record_pids(piddir: str) -> None:
     """Write this rank's pid and the pid of a child it starts, so tests can check for orphans."""
     child = subprocess.Popen(["sleep", "600"])
-    Path(piddir, f"{dist.get_rank()}.pids").write_text(f"{os.getpid()} {child.pid}")
+    # Written whole, then renamed: a test that waits for the files never reads a half-written one
+    # (a caller killed at that moment takes the rank with it before it finishes writing).
+    partial = Path(piddir, f"{dist.get_rank()}.partial")
+    partial.write_text(f"{os.getpid()} {child.pid}")
+    partial.replace(partial.with_suffix(".pids"))
 
 
 def _assert_no_orphans(piddir: Path, world_size: int) -> None:
