@@ -4,11 +4,13 @@ The package follows the book's sections; every module's docstring names the chap
 teaches it.
 
 * the runtime: ``launch`` runs a rank function on N processes, or in place under torchrun
-  (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11, 13)
+  (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11, 13);
+  ``owners`` tells a crashed run's leftovers by their dead owner (pid, start time, host)
 * ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group, the block
   of a size it owns), ``trace`` (recording traffic), ``collectives`` (every collective from
   send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in ``p2p``),
-  ``costmodel`` (alpha-beta), ``compression`` (chapter 4), ``alltoall`` (chapter 13)
+  ``costmodel`` (alpha-beta), ``compression`` and ``shm`` (shared memory, chapter 4),
+  ``alltoall`` (chapter 13)
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
   scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
   ``serving`` (data-parallel inference), ``tuning``
@@ -22,7 +24,9 @@ teaches it.
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
   repeat), ``cpu_wait`` (did each rank have a core while it was timed? chapters 7 and 12),
   ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
-  (``python -m dmlbook.bench``: each implementation against torch's own)
+  (``python -m dmlbook.bench``: each implementation against torch's own; ``make gpu-check``),
+  ``book`` (the chapters, data and scripts in the installed package;
+  ``python -m dmlbook.book copy DIR``)
 * ranks that live across notebook cells: ``ranks`` (``Ranks``, also ``dmlbook.launch.Ranks``) and
   the IPython extension ``%load_ext dmlbook`` (``magic``: ``%ranks`` and ``%%ranks``, chapters 2
   and 9)

@@ -11,4 +11,6 @@
 * ``costmodel``: the alpha-beta model of each algorithm and of a parameter server (2 and 4)
 * ``compression``: gradient compression as DDP communication hooks (chapter 4)
 * ``alltoall``: all-to-all from point-to-point messages, and its autograd form (chapter 13)
+* ``shm``: all-reduce, all-gather and reduce-scatter through shared memory, for ranks on one host
+  (chapter 4)
 """
