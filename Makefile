@@ -95,7 +95,7 @@ bench: $(STAMP)
 # machine's own python3 and its torch, the package taken from this checkout.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m dmlbook.bench gpu-check
+	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m dmlbook.bench gpu-check
 
 # Student copies (solutions replaced by stubs) in student/, and grading them: a table and JSON.
 student: $(STAMP)

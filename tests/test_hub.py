@@ -27,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 import nbformat
 import pytest
 import requests
-from hub import (
+
+pytest.importorskip("websocket", reason="the hub test needs websocket-client (the dev extra)")
+from hub import (  # noqa: E402
     BIN,
     CLASSROOM,
     PROXY,

@@ -285,24 +285,27 @@ def fsdp2_offload_train(
     """Rank function: train ``model`` with torch's FSDP2 (``fully_shard``, one unit per child
     module) under ``CPUOffloadPolicy`` and Adam, every rank on the same full batch; return the
     full parameters. On a CPU-only machine ``pin_memory=False`` is needed (pinning needs a GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    from dmlbook.launch import device as rank_device
+
+    # The mesh names this rank's device: FSDP2's default mesh takes ``cuda:<local rank>`` whenever
+    # CUDA is present, which fails for rank 1 of a gloo group on a machine with one GPU.
+    device = rank_device()
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
     for child in model.children():
-        fully_shard(child, offload_policy=policy)
-    fully_shard(model, offload_policy=policy)
+        fully_shard(child, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
-    if device is not None:
-        inputs, targets = inputs.to(device), targets.to(device)
+    inputs, targets = inputs.to(device), targets.to(device)
     for _ in range(steps):
         optimizer.zero_grad()
         loss_fn(model(inputs), targets).backward()  # gradients reduce-scattered to each shard
         optimizer.step()  # on the CPU: the shards and their Adam state live there
     full = {}
     for name, p in model.named_parameters():
-        shard = p if device is None else p.to(device)  # NCCL gathers device tensors only
+        shard = p.to(device)  # NCCL gathers device tensors only
         full[name] = shard.full_tensor().detach().cpu()  # all-gather the shards
     return full
