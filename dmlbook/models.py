@@ -149,6 +149,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
+class TokenCrossEntropy(nn.Module):
+    """Mean cross-entropy of logits ``(B, T, V)`` against targets ``(B, T)``: a char-GPT's
+    ``criterion``. A module, so that chapter 9's tensor-parallel plan can replace it by path
+    (:class:`~dmlbook.advanced.composition.plan.LossParallel`) as it replaces the layers."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class CharGPT(nn.Module):
     """Character-level GPT: embeddings, ``n_layer`` ``Block``s, final LayerNorm, ``lm_head``.
 
@@ -166,6 +175,7 @@ class CharGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.criterion = TokenCrossEntropy()  # no parameters: the loss, by path, for plans
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) to keep the stream's variance.
         for name, p in self.named_parameters():
@@ -206,9 +216,10 @@ class CharGPT(nn.Module):
         return logits, self.loss(logits, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the ``B * T`` tokens (tensor parallelism replaces it with one
-        that takes vocabulary-split logits, :class:`dmlbook.advanced.parallelize.LossParallel`)."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        """Mean cross-entropy over the ``B * T`` tokens, by ``self.criterion`` (tensor parallelism
+        replaces it with one that takes vocabulary-split logits,
+        :class:`dmlbook.advanced.composition.plan.LossParallel`)."""
+        return self.criterion(logits, targets)
 
     @torch.no_grad()
     def generate(

@@ -1,10 +1,11 @@
 """What each layout costs: memory and bytes per rank, predicted, and layouts ranked (chapter 13).
 
-For a char-GPT :class:`Workload` and a :class:`~dmlbook.advanced.layout.Layout`, this module
-predicts, for any rank, what :func:`~dmlbook.advanced.composed.train_composed` measures:
+For a char-GPT :class:`Workload` and a :class:`~dmlbook.advanced.composition.layout.Layout`, this
+module predicts, for any rank, what :func:`~dmlbook.advanced.composition.training.train_composed`
+measures:
 
 * :func:`predict_memory`: parameters, gradients and AdamW state (exact: the shapes of the shards
-  and ZeRO-1's whole-parameter partition, :func:`~dmlbook.advanced.sharded_optimizer.
+  and ZeRO-1's whole-parameter partition, :func:`~dmlbook.advanced.zero.sharded_optimizer.
   partition_parameters`) and activations (an approximation: the tensors each layer saves, times
   the micro-batches 1F1B keeps alive on the stage, ``min(pp - stage, microbatches)``);
 * :func:`predict_traffic`: for each dimension, the bytes this rank sends in one step and the
@@ -26,8 +27,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from dmlbook.advanced.layout import Layout
-from dmlbook.advanced.sharded_optimizer import partition_parameters
+from dmlbook.advanced.composition.layout import Layout
+from dmlbook.advanced.context_parallel.styles import cp_layout
+from dmlbook.advanced.zero.sharded_optimizer import partition_parameters
 from dmlbook.comm.costmodel import Link
 from dmlbook.model_parallel.pipeline import even_partition
 
@@ -105,8 +107,6 @@ def stage_layers(work: Workload, pp: int) -> list[list[str]]:
 def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
     """What ``rank`` holds along each of ``dims``, in a few words (for pictures and tables):
     its layers, batch rows, attention heads, sequence positions and experts."""
-    from dmlbook.advanced.context_parallel_styles import cp_layout
-
     c, lines = layout.coordinates(rank), []
     if "pp" in dims:
         layers = stage_layers(work, layout.pp)[: c["pp"] + 1]
@@ -119,7 +119,7 @@ def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
         heads = work.n_head // layout.tp
         lines.append(f"heads {c['tp'] * heads}-{(c['tp'] + 1) * heads - 1}")
     if "cp" in dims:
-        chunks = cp_layout(work.seq // layout.cp, layout.cp)[c["cp"]]
+        chunks = cp_layout(work.seq // layout.cp, layout.cp, layout.zigzag)[c["cp"]]
         lines.append("tokens " + ",".join(f"{a}-{b - 1}" for a, b in chunks))
     if "ep" in dims and work.n_experts:
         per = work.n_experts // layout.ep
@@ -215,7 +215,8 @@ class Traffic:
 
 
 def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
-    """What ``rank`` sends in one step of :func:`~dmlbook.advanced.composed.train_composed`."""
+    """What ``rank`` sends in one step of
+    :func:`~dmlbook.advanced.composition.training.train_composed`."""
     coords = layout.coordinates(rank)
     c, t, cp, e, m = work.n_embd, layout.tp, layout.cp, work.element_size, work.microbatches
     b = work.batch // (layout.dp * m)

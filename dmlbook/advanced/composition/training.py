@@ -2,9 +2,9 @@
 context and expert parallelism on one char-GPT (chapter 13).
 
 :func:`train_composed` is a rank function. Every rank builds the same model from a seed,
-:func:`~dmlbook.advanced.parallelize.parallelize_composed` keeps its part (in the one order of
-:data:`~dmlbook.advanced.parallelize.COMPOSITION_ORDER`), and each step is the single-process
-step cut along the layout:
+:func:`~dmlbook.advanced.composition.compose.compose` keeps its part and builds its ZeRO-1
+optimizers (in the one order of :data:`~dmlbook.advanced.composition.compose.COMPOSITION_ORDER`),
+and each step is the single-process step cut along the layout:
 
 1. **data** (:func:`rank_batch`): the rows of this rank's DP slice, the positions of its CP chunks;
 2. **forward and backward** (compute, with TP/SP, CP and EP messages inside the layers): the
@@ -13,13 +13,14 @@ step cut along the layout:
 3. **gradient sync** (communication): dense gradients averaged over ``dp_cp`` (every rank there
    holds the same shard of the same stage), expert gradients over ``edp``, both divided by
    ``dp * cp``: each rank's loss is the mean over its ``1 / (dp cp)`` of the tokens;
-4. **ZeRO-1 step**: AdamW by :class:`~dmlbook.advanced.sharded_optimizer.ShardedOptimizer`, its
+4. **ZeRO-1 step**: AdamW by :class:`~dmlbook.advanced.zero.sharded_optimizer.ShardedOptimizer`, its
    state sharded over the same groups, the updated parameters broadcast by their owners.
 
 :func:`train_reference` is the one-process run it equals (AdamW, the whole batch), and
 :func:`compare_with_reference` checks, on every rank, that each parameter it holds equals the
 same slice of the reference model (so every element of the full model is checked somewhere).
-With ``measure=True`` the loop also returns what :mod:`dmlbook.advanced.planner` predicts:
+With ``measure=True`` the loop also returns what :mod:`dmlbook.advanced.composition.planner`
+predicts:
 each rank's memory and its bytes per dimension (see :class:`StepMeasurement`).
 
 The load-balancing auxiliary loss of the MoE is left out: it depends on which tokens are routed
@@ -37,14 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.context_parallel_styles import cp_layout
-from dmlbook.advanced.layout import Layout, ProcessGroups
-from dmlbook.advanced.parallelize import parallelize_composed
-from dmlbook.advanced.sharded_optimizer import ShardedOptimizer, optimizer_state_bytes
+from dmlbook.advanced.composition.compose import compose
+from dmlbook.advanced.composition.layout import Layout, ProcessGroups
+from dmlbook.advanced.context_parallel.styles import cp_layout
+from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
+from dmlbook.advanced.zero.sharded_optimizer import optimizer_state_bytes
 from dmlbook.comm import collectives
 from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
-from dmlbook.data_parallel import average_gradients
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
 from dmlbook.models import train_on_batches
 
@@ -84,8 +85,8 @@ class ComposedResult:
     step_s: list[float] = field(default_factory=list)  # wall time of each step (barrier to end)
 
 
-def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int], zigzag: bool = True):
-    """This rank's part of a global batch: its DP rows, its CP positions (zigzag chunks)."""
+def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int]):
+    """This rank's part of a global batch: its DP rows, its CP positions (``layout.zigzag``)."""
     idx, targets = batch
     if idx.shape[0] % layout.dp:
         raise ValueError(f"dp: batch={idx.shape[0]} is not divisible by dp={layout.dp}")
@@ -93,7 +94,7 @@ def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int], zigzag: boo
     sl = slice(coords["dp"] * rows, (coords["dp"] + 1) * rows)
     idx, targets = idx[sl], targets[sl]
     if layout.cp > 1:
-        chunks = cp_layout(idx.shape[1] // layout.cp, layout.cp, zigzag)[coords["cp"]]
+        chunks = cp_layout(idx.shape[1] // layout.cp, layout.cp, layout.zigzag)[coords["cp"]]
         idx = torch.cat([idx[:, a:b] for a, b in chunks], dim=1)
         targets = torch.cat([targets[:, a:b] for a, b in chunks], dim=1)
     return idx, targets
@@ -106,11 +107,11 @@ def train_reference(make_model: Callable[[], nn.Module], batches: Sequence[Batch
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def compare_with_reference(stage: nn.Module, reference: nn.Module, groups, zigzag=True) -> float:
+def compare_with_reference(stage: nn.Module, reference: nn.Module, groups) -> float:
     """The largest absolute difference between this rank's parameters and the same slice of a
-    trained reference model, cut by the same transformation (no communication: cutting only
+    trained reference model, cut by the same transformation (no optimizer: cutting only
     slices)."""
-    ref_stage = parallelize_composed(reference, groups, zigzag).stage
+    ref_stage = compose(reference, groups).stage
     ours, theirs = dict(stage.named_parameters()), dict(ref_stage.named_parameters())
     if ours.keys() != theirs.keys():
         raise ValueError(f"parameter names differ: {sorted(ours.keys() ^ theirs.keys())}")
@@ -159,7 +160,6 @@ def train_composed(
     lr: float = 1e-2,
     reference_state: dict | None = None,
     measure: bool = False,
-    zigzag: bool = True,
     group_cache: dict | None = None,
 ) -> ComposedResult:
     """Rank function: train ``make_model()`` on ``batches`` with ``layout`` (see the module).
@@ -168,25 +168,20 @@ def train_composed(
     groups = ProcessGroups(layout, group_cache)
     coords = groups.coords
     model = make_model()
-    n_experts = max((len(m.experts) for m in model.modules() if hasattr(m, "router")), default=0)
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    n_experts = max((len(m.experts) for m in moes), default=0)
     rows, seq = batches[0][0].shape
-    layout.validate_model(model.config, seq, rows, microbatches, n_experts, zigzag)
-    composed = parallelize_composed(model, groups, zigzag)
+    layout.validate_model(model.config, seq, rows, microbatches, n_experts)
+    composed = compose(model, groups, None, torch.optim.AdamW, lr=lr)
     stage = PipelineStage(composed.stage, coords["pp"], layout.pp, groups.pp, device="cpu")
-    optimizers = [
-        ShardedOptimizer(ps, torch.optim.AdamW, group=g, lr=lr)
-        for ps, g in ((composed.dense, groups.dp_cp), (composed.experts, groups.edp))
-        if ps
-    ]
     is_last = coords["pp"] == layout.pp - 1
     losses, step_s, timeline, measured = [], [], [], None
     for step, batch in enumerate(batches):
-        idx, targets = rank_batch(batch, layout, coords, zigzag)
+        idx, targets = rank_batch(batch, layout, coords)
         _same_batch_shape(idx)
         last_step = step == len(batches) - 1
         meter = measure and last_step
-        for p in composed.stage.parameters():
-            p.grad = None
+        composed.zero_grad()
         t0 = _common_start()
         with collectives.recording() as sends, WireMeter() as wire_fb:
             result = stage.train_step(
@@ -199,13 +194,11 @@ def train_composed(
             )
         t_sync = time.time()
         with collectives.recording() as sync_sends, WireMeter() as wire_sync:
-            for params, group in ((composed.dense, groups.dp_cp), (composed.experts, groups.edp)):
-                average_gradients(params, group, algorithm="ring", divide_by=layout.dp * layout.cp)
+            composed.sync_gradients()
         grads = _bytes(p.grad for p in composed.stage.parameters())
         t_step = time.time()
         with WireMeter() as wire_opt:
-            for optimizer in optimizers:
-                optimizer.step()
+            composed.step()
         t_end = time.time()
         step_s.append(t_end - t0)
         mine = result.loss if is_last and coords["tp"] == 0 else 0.0
@@ -227,7 +220,7 @@ def train_composed(
             measured = StepMeasurement(
                 params=_bytes(composed.stage.parameters()),
                 grads=grads,
-                optimizer=sum(optimizer_state_bytes(o) for o in optimizers),
+                optimizer=sum(optimizer_state_bytes(o) for o in composed.optimizers),
                 activations=result.peak_saved_bytes or 0,
                 sent=sent,
                 wire={
@@ -240,7 +233,7 @@ def train_composed(
     if reference_state is not None:
         reference = make_model()
         reference.load_state_dict(reference_state)
-        max_diff = compare_with_reference(composed.stage, reference, groups, zigzag)
+        max_diff = compare_with_reference(composed.stage, reference, groups)
     return ComposedResult(losses, groups.rank, coords, max_diff, timeline, measured, step_s)
 
 
