@@ -12,10 +12,10 @@ import functools
 import pytest
 import torch
 
-from dmlbook.advanced.composed import train_composed, train_reference
-from dmlbook.advanced.layout import GROUP_NAMES, Layout
-from dmlbook.advanced.moe import moe_char_gpt
-from dmlbook.advanced.planner import (
+from dmlbook.advanced.composition.training import train_composed, train_reference
+from dmlbook.advanced.composition.layout import GROUP_NAMES, Layout
+from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
+from dmlbook.advanced.composition.planner import (
     Network,
     Workload,
     layouts_of,

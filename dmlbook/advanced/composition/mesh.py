@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.advanced.composition.compose import compose
-from dmlbook.advanced.composition.layout import Layout, ProcessGroups, _check_shape, mesh_groups
+from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
 from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
 from dmlbook.models import CharGPT, train_on_batches
 
@@ -133,16 +133,17 @@ def train_reference(
 def train_hybrid(
     make_model: Callable[[], CharGPT],
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    layout: Layout,
+    groups: ProcessGroups,
     lr: float = 1e-2,
 ) -> TrainResult:
-    """DP x TP training on ``layout`` (``Layout(dp=..., tp=...)``): every rank builds the whole
-    model from the same seed, :func:`~dmlbook.advanced.composition.compose.compose` keeps its TP
-    shard (chapter 9's plan) and shards Adam's state over its DP group; each rank trains on its
-    DP slice of each batch. Returns the global loss per step and this rank's shard."""
+    """DP x TP training on ``groups = ProcessGroups(Layout(dp=..., tp=...))``: every rank builds
+    the whole model from the same seed, :func:`~dmlbook.advanced.composition.compose.compose`
+    keeps its TP shard (chapter 9's plan) and shards Adam's state over its DP group; each rank
+    trains on its DP slice of each batch. Returns the global loss per step and this rank's
+    shard."""
+    layout = groups.layout
     if (layout.pp, layout.cp, layout.ep) != (1, 1, 1):
         raise ValueError(f"train_hybrid is DP x TP; layout {layout} has pp, cp or ep > 1")
-    groups = ProcessGroups(layout)
     composed = compose(make_model(), groups, CHAR_GPT_PLAN, torch.optim.Adam, lr=lr)
     losses = []
     for step, (idx, targets) in enumerate(batches):
