@@ -1,5 +1,5 @@
-"""dmlbook.advanced.tensor_parallel.sequence_parallel: at TP = 1-4 the char-GPT with tensor + sequence
-parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor parallelism:
+"""dmlbook.advanced.tensor_parallel.sequence_parallel: at TP = 1-4 the char-GPT with tensor +
+sequence parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor parallelism:
 loss, every gradient and three Adam steps (float64 to 1e-10); each block's all-reduce becomes a
 reduce-scatter and an all-gather; the styles equal torch's DTensor SequenceParallel /
 ColwiseParallel(input_layouts=Shard(1)) / RowwiseParallel(output_layouts=Shard(1)); the bytes a
@@ -16,9 +16,9 @@ import torch.distributed as dist
 from rank_checks import by_world, caught
 from torch import nn
 
-from dmlbook.advanced.tensor_parallel import sequence_parallel as sp
 from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.advanced.composition.plan import apply_plan, tensor_parallel_char_gpt
+from dmlbook.advanced.tensor_parallel import sequence_parallel as sp
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.model_parallel.memory.spec import spec_of
 from dmlbook.models import char_gpt

@@ -222,6 +222,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
     b = work.batch // (layout.dp * m)
     s = work.seq // cp
     whole = b * s * c * e  # (b, s, C): the CP rank's activations of one micro-batch
+    check = 4 * INDEX_BYTES * t  # an SP shape check: every TP rank's (ndim, B, T, C)
     layers = stage_layers(work, layout.pp)[coords["pp"]]
     out = Traffic()
     for layer in layers:  # per micro-batch, then times m
@@ -233,6 +234,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "ag", t, whole, 2 * m)  # lm_head: all-gather forward and backward
             out.add("tp", "rs", t, whole, m)  # ... and its input's gradient
             out.add("tp", "ar", t, 3 * b * s * e, m)  # the split loss: max, sum of exp, target
+            out.add("tp", "ag", t, check, m)  # lm_head's sequence all-gather: its shape check
         else:
             linears = 2 if work.n_experts else 4  # an MoE is not split by TP
             out.add("tp", "ag", t, whole, linears // 2 * 2 * m)  # column: fwd, bwd again
@@ -240,6 +242,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "rs", t, whole, linears // 2 * m)  # row: forward
             out.add("tp", "ag", t, whole, linears // 2 * m)  # row: backward
             out.add("tp", "ar", t, c * e, (4 + linears // 2) * m)  # LayerNorms, row biases
+            out.add("tp", "ag", t, check, linears * m)  # each forward SP collective's check
             if work.n_experts:  # MoE weights see only SP tokens: gradients summed over TP
                 moe = [n for n, _ in _parameters(work, layout, "block")[8:]]
                 for n in moe:
