@@ -113,7 +113,7 @@ def test_every_sample_once_per_epoch_across_the_resize():
 def test_accuracy_within_noise_of_an_uninterrupted_run():
     run_dir, _ = node_failure_job()
     (end,) = el.Timeline(run_dir).events("end")
-    reference, _ = el.train_reference(el.ElasticConfig(run_dir=str(run_dir)), world_size=2)
+    reference, _ = el.uninterrupted_run(el.ElasticConfig(run_dir=str(run_dir)), world_size=2)
     uninterrupted = accuracy(reference, *load_digits("test"))
     print(f"\naccuracy {end['accuracy']:.3f} after the failure, {uninterrupted:.3f} without")
     assert abs(end["accuracy"] - uninterrupted) < 0.03 and end["accuracy"] > 0.9
