@@ -56,6 +56,7 @@ __all__ = [
     "LocalBatch",
     "LoopState",
     "NoSync",
+    "TrainConfig",
     "linear_scaling",
     "sharded_accuracy",
     "strided_batches",
@@ -377,38 +378,49 @@ class _Chapter1(Callback):
         self.bar.close()
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """What fixes a run of :func:`train`, apart from the model, the data and the sync scheme."""
+
+    global_batch: int  # samples per step, summed over the ranks
+    lr: float | Callable[[int], float]  # a number, or a function of the step (warm-up)
+    epochs: int = 1
+    seed: int = 0  # the epochs' shuffles
+    momentum: float = 0.0  # SGD's
+    eval_every: int = 0  # steps between two test-accuracy evaluations (0: none)
+    progress: bool = False  # a progress bar on rank 0
+
+
 def train(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
+    config: TrainConfig,
     *,
-    global_batch: int,
-    lr: float | Callable[[int], float],
-    epochs: int = 1,
-    seed: int = 0,
     sync: GradientAveraging | ModelAveraging | None = None,
-    momentum: float = 0.0,
     test: tuple[torch.Tensor, torch.Tensor] | None = None,
-    eval_every: int = 0,
     loss_fn: Callable = F.cross_entropy,
     group=None,
-    progress: bool = False,
 ) -> History:
     """Data-parallel SGD on this rank's shard of ``(x, y)``; single-process SGD at world size 1.
 
-    ``global_batch`` is summed over the ranks, so each rank takes ``global_batch // world``
-    samples a step. ``lr`` is a number or a function of the step: for a larger global batch,
+    ``config`` (:class:`TrainConfig`) fixes the run. Its ``global_batch`` is summed over the
+    ranks, so each rank takes ``global_batch // world`` samples a step. Its ``lr`` is a number or
+    a function of the step: for a larger global batch,
     ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``.
 
     ``model`` may be a DDP wrapper (:class:`BucketedDDP`, :class:`NaiveDDP` or torch's
     ``DistributedDataParallel``, chapter 3): it averages the gradients during backward, so the
-    loop adds no ``sync``. ``progress`` shows a progress bar on rank 0. Test accuracy is
+    loop adds no ``sync``. Test accuracy on ``test``, every ``config.eval_every`` steps, is
     :func:`sharded_accuracy`, except under ``ModelAveraging``, whose ranks hold different
     models between averages: there each rank scores its own model on the whole test set.
     """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a dp.TrainConfig, got {type(config).__name__}")
+    global_batch, lr, epochs = config.global_batch, config.lr, config.epochs
     rank, world = group_rank_size(group)
     batches = strided_batches(
-        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=seed
+        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=config.seed
     )
     if not isinstance(model, _DataParallel | TorchDDP):
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
@@ -416,9 +428,9 @@ def train(
     lr_at = lr if callable(lr) else (lambda step: lr)
     history = History()
     steps = epochs * (len(x) // global_batch)
-    bar = tqdm(total=steps, disable=not progress or rank != 0, desc="train")
-    chapter1 = _Chapter1(history, lr_at, test, eval_every, score, bar)
-    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
+    bar = tqdm(total=steps, disable=not config.progress or rank != 0, desc="train")
+    chapter1 = _Chapter1(history, lr_at, test, config.eval_every, score, bar)
+    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=config.momentum)
     train_loop(model, opt, x, y, batches, sync=sync, callbacks=[chapter1], group=group,
                forward_backward=ForwardBackward(loss_fn))  # fmt: skip
     return history
