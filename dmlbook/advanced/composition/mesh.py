@@ -35,7 +35,8 @@ from torch import nn
 from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
 from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
-from dmlbook.models import CharGPT, train_on_batches
+from dmlbook.data_parallel.loop import train_reference as _reference_loop
+from dmlbook.models import CharGPT
 
 __all__ = [
     "DeviceMesh",
@@ -125,9 +126,8 @@ def train_reference(
     lr: float = 1e-2,
 ) -> TrainResult:
     """Single-process training: Adam on each whole batch, the run :func:`train_hybrid` equals."""
-    model = make_model()
-    return TrainResult(train_on_batches(model, batches, torch.optim.Adam(model.parameters(), lr)),
-                       model)  # fmt: skip
+    done = _reference_loop(make_model, batches, optimizer=torch.optim.Adam, lr=lr)
+    return TrainResult(done.losses, done.model)
 
 
 def train_hybrid(
