@@ -48,6 +48,7 @@ from dmlbook.model_parallel.pipeline import even_partition, layers_of, split_mod
 __all__ = [
     "COMPOSITION_ORDER",
     "Composed",
+    "GradientSync",
     "apply_cp",
     "apply_dp",
     "apply_ep",
@@ -94,7 +95,8 @@ class Composed:
         if self.stage is None:
             self.stage = self.model  # before pipeline parallelism, the stage is the model
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The stage's gradients dropped (the one training loop calls it as an optimizer's)."""
         for p in self.stage.parameters():
             p.grad = None
 
@@ -109,6 +111,28 @@ class Composed:
         """The ZeRO-1 step: each owner steps its parameters and broadcasts them."""
         for optimizer in self.optimizers:
             optimizer.step()
+
+    @property
+    def sync(self) -> GradientSync:
+        """This composition's gradient averaging as the one training loop's sync scheme."""
+        return GradientSync(self)
+
+
+@dataclass
+class GradientSync:
+    """The sync scheme of :func:`~dmlbook.data_parallel.loop.train_loop` for a composed model:
+    after backward, :meth:`Composed.sync_gradients`; nothing after the step (ZeRO-1's step
+    broadcasts the parameters itself)."""
+
+    composed: Composed
+
+    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
+        self.composed.sync_gradients()  # communication
+
+    def after_step(self, model: nn.Module, step: int, group=None) -> None:
+        pass
+
+    finish = after_step
 
 
 def apply_tp(composed: Composed) -> None:

@@ -35,8 +35,10 @@ from torch import nn
 from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
 from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
+from dmlbook.comm.groups import local_rows
+from dmlbook.data_parallel.loop import ForwardBackward, train_loop
 from dmlbook.data_parallel.loop import train_reference as _reference_loop
-from dmlbook.models import CharGPT
+from dmlbook.models import Batch, CharGPT
 
 __all__ = [
     "DeviceMesh",
@@ -145,25 +147,16 @@ def train_hybrid(
     if (layout.pp, layout.cp, layout.ep) != (1, 1, 1):
         raise ValueError(f"train_hybrid is DP x TP; layout {layout} has pp, cp or ep > 1")
     composed = compose(make_model(), groups, CHAR_GPT_PLAN, torch.optim.Adam, lr=lr)
-    losses = []
-    for step, (idx, targets) in enumerate(batches):
-        if len(idx) % layout.dp:
-            raise ValueError(
-                f"batch {step} has {len(idx)} sequences, not divisible by the DP size {layout.dp}"
-            )
-        rows = slice(groups.coords["dp"] * len(idx) // layout.dp,
-                     (groups.coords["dp"] + 1) * len(idx) // layout.dp)  # fmt: skip
-        composed.zero_grad()
-        _, loss = composed.model(idx[rows], targets[rows])
-        loss.backward()  # compute
-        composed.sync_gradients()  # communication: gradients averaged over the DP group
-        composed.step()  # ZeRO-1: each owner steps its parameters and broadcasts them
-        global_loss = loss.detach().reshape(1)
-        if layout.dp > 1:
-            dist.all_reduce(global_loss, group=groups.dp)  # communication: for the curve
-            global_loss /= layout.dp
-        losses.append(global_loss.item())
-    return TrainResult(losses, composed.model)
+    plan = [local_rows(Batch(idx, targets), groups.dp) for idx, targets in batches]  # my rows
+    # The one training loop: the composed model brings its own loss (on the split logits), the
+    # sync averages gradients over the DP group, and ``composed`` steps as ZeRO-1's optimizer.
+    state = train_loop(composed.model, composed, None, None, plan, sync=composed.sync,
+                       group=groups.dp, forward_backward=ForwardBackward(loss_fn=None))  # fmt: skip
+    losses = torch.tensor(state.losses, dtype=torch.float64)  # this rank's, per step
+    if layout.dp > 1:
+        dist.all_reduce(losses, group=groups.dp)  # communication: the global loss, for the curve
+        losses /= layout.dp
+    return TrainResult(losses.tolist(), composed.model)
 
 
 def shard_of(model: CharGPT, groups: ProcessGroups) -> nn.Module:
