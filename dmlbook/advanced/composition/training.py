@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.composition.compose import compose
+from dmlbook.advanced.composition.compose import GradientSync, compose
 from dmlbook.advanced.composition.layout import Layout, ProcessGroups
 from dmlbook.advanced.context_parallel.styles import cp_layout
 from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
@@ -46,8 +46,11 @@ from dmlbook.advanced.zero.sharded_optimizer import optimizer_state_bytes
 from dmlbook.comm import collectives
 from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
+from dmlbook.comm.groups import even_block
+from dmlbook.data_parallel.loop import Callback, LoopState, train_loop
 from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
+from dmlbook.models import Batch
 
 __all__ = [
     "ComposedResult",
@@ -58,8 +61,6 @@ __all__ = [
     "time_layouts",
     "train_reference",
 ]
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # (idx, targets), each (B, T)
 
 
 @dataclass
@@ -88,16 +89,14 @@ class ComposedResult:
 def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int]):
     """This rank's part of a global batch: its DP rows, its CP positions (``layout.zigzag``)."""
     idx, targets = batch
-    if idx.shape[0] % layout.dp:
-        raise ValueError(f"dp: batch={idx.shape[0]} is not divisible by dp={layout.dp}")
-    rows = idx.shape[0] // layout.dp
-    sl = slice(coords["dp"] * rows, (coords["dp"] + 1) * rows)
-    idx, targets = idx[sl], targets[sl]
+    start, stop = even_block(idx.shape[0], rank=coords["dp"], world_size=layout.dp,
+                             what="dp: batch rows")  # fmt: skip
+    idx, targets = idx[start:stop], targets[start:stop]
     if layout.cp > 1:
         chunks = cp_layout(idx.shape[1] // layout.cp, layout.cp, layout.zigzag)[coords["cp"]]
         idx = torch.cat([idx[:, a:b] for a, b in chunks], dim=1)
         targets = torch.cat([targets[:, a:b] for a, b in chunks], dim=1)
-    return idx, targets
+    return Batch(idx, targets)
 
 
 def train_reference(make_model: Callable[[], nn.Module], batches: Sequence[Batch], lr=1e-2):
@@ -151,6 +150,94 @@ def _common_start() -> float:
     return latest.item()
 
 
+class _ComposedStep(Callback):
+    """One composed step on the one training loop, and what chapter 13 measures of it. It is
+    the loop's step hook (the stage's 1F1B schedule, its messages recorded), what its sync
+    scheme calls (dense and expert gradients averaged, recorded), its optimizer (ZeRO-1, wire
+    bytes counted) and a callback (after each step: the loss curve, the step time; after the
+    last: the timeline and, with ``measure``, the memory and traffic)."""
+
+    def __init__(self, composed, stage: PipelineStage, microbatches: int, measure: bool,
+                 steps: int) -> None:  # fmt: skip
+        self.composed, self.stage, self.microbatches = composed, stage, microbatches
+        self.layout, self.coords = composed.groups.layout, composed.groups.coords
+        self.is_last = self.coords["pp"] == self.layout.pp - 1
+        self.measure, self.last = measure, steps - 1
+        self.losses, self.step_s, self.timeline = [], [], []
+        self.measured: StepMeasurement | None = None
+
+    def __call__(self, state: LoopState, batch: Batch) -> torch.Tensor | None:
+        """The step hook: forward and backward of every micro-batch (compute, with the TP/SP,
+        CP, EP messages inside the layers and the activations between stages)."""
+        idx, targets = batch
+        _same_batch_shape(idx)
+        self.t0 = _common_start()
+        with collectives.recording() as self.sends, WireMeter() as self.wire_fb:
+            self.result = self.stage.train_step(
+                idx if self.coords["pp"] == 0 else None,
+                targets if self.is_last else None,
+                self.composed.model.loss if self.is_last else None,
+                microbatches=self.microbatches,
+                schedule="1f1b",
+                measure_memory=self.measure and state.step == self.last,
+            )
+        self.t_sync = time.time()
+        return torch.tensor(self.result.loss) if self.is_last else None
+
+    def sync_gradients(self) -> None:
+        """What the sync scheme (:class:`~dmlbook.advanced.composition.compose.GradientSync`)
+        calls after backward: gradients averaged over dp_cp (dense) and edp (experts)."""
+        with collectives.recording() as self.sync_sends, WireMeter() as self.wire_sync:
+            self.composed.sync_gradients()
+        self.grads = _bytes(p.grad for p in self.composed.stage.parameters())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.composed.zero_grad()
+
+    def step(self) -> None:
+        """The optimizer: ZeRO-1's step, each owner broadcasting what it updated."""
+        self.t_step = time.time()
+        with WireMeter() as self.wire_opt:
+            self.composed.step()
+        self.t_end = time.time()
+
+    def on_step(self, state: LoopState) -> None:
+        layout, result = self.layout, self.result
+        self.step_s.append(self.t_end - self.t0)
+        mine = result.loss if self.is_last and self.coords["tp"] == 0 else 0.0
+        loss = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(loss)  # for the curve: the last stages' losses, averaged over dp x cp
+        self.losses.append(loss.item() / (layout.dp * layout.cp))
+        if state.step - 1 != self.last:
+            return
+        self.timeline = [  # the pipeline's ops are timed from its own common start, ~t0
+            *result.timeline,
+            OpRecord("sync", -1, self.t_sync - self.t0, self.t_step - self.t0),
+            OpRecord("step", -1, self.t_step - self.t0, self.t_end - self.t0),
+        ]
+        if self.measure:
+            self.measured = self._measurement()
+
+    def _measurement(self) -> StepMeasurement:
+        sent: dict[str, int] = {d: 0 for d in ("dp", "tp", "pp", "cp", "ep")}
+        for s in self.sends:
+            sent[_dimension_of(s, self.layout)] += s.nbytes
+        sent["pp"] += self.result.sent_bytes
+        sent["dp"] += sum(s.nbytes for s in self.sync_sends)
+        return StepMeasurement(
+            params=_bytes(self.composed.stage.parameters()),
+            grads=self.grads,
+            optimizer=sum(optimizer_state_bytes(o) for o in self.composed.optimizers),
+            activations=self.result.peak_saved_bytes or 0,
+            sent=sent,
+            wire={
+                "forward/backward": self.wire_fb.bytes,
+                "gradient sync": self.wire_sync.bytes,
+                "ZeRO-1 step": self.wire_opt.bytes,
+            },
+        )
+
+
 def train_composed(
     make_model: Callable[[], nn.Module],
     batches: Sequence[Batch],
@@ -161,9 +248,10 @@ def train_composed(
     measure: bool = False,
     group_cache: dict | None = None,
 ) -> ComposedResult:
-    """Rank function: train ``make_model()`` on ``batches`` with ``layout`` (see the module).
-    ``reference_state``: a trained reference's state dict to compare the final weights with;
-    ``group_cache``: one dict passed to every call that trains in the same processes."""
+    """Rank function: train ``make_model()`` on ``batches`` with ``layout`` (see the module),
+    by the one training loop. ``reference_state``: a trained reference's state dict to compare
+    the final weights with; ``group_cache``: one dict passed to every call that trains in the
+    same processes."""
     groups = ProcessGroups(layout, group_cache)
     coords = groups.coords
     model = make_model()
@@ -173,67 +261,18 @@ def train_composed(
     layout.validate_model(model.config, seq, rows, microbatches, n_experts)
     composed = compose(model, groups, None, torch.optim.AdamW, lr=lr)
     stage = PipelineStage(composed.stage, coords["pp"], layout.pp, groups.pp, device="cpu")
-    is_last = coords["pp"] == layout.pp - 1
-    losses, step_s, timeline, measured = [], [], [], None
-    for step, batch in enumerate(batches):
-        idx, targets = rank_batch(batch, layout, coords)
-        _same_batch_shape(idx)
-        last_step = step == len(batches) - 1
-        meter = measure and last_step
-        composed.zero_grad()
-        t0 = _common_start()
-        with collectives.recording() as sends, WireMeter() as wire_fb:
-            result = stage.train_step(
-                idx if coords["pp"] == 0 else None,
-                targets if is_last else None,
-                composed.model.loss if is_last else None,
-                microbatches=microbatches,
-                schedule="1f1b",
-                measure_memory=meter,
-            )
-        t_sync = time.time()
-        with collectives.recording() as sync_sends, WireMeter() as wire_sync:
-            composed.sync_gradients()
-        grads = _bytes(p.grad for p in composed.stage.parameters())
-        t_step = time.time()
-        with WireMeter() as wire_opt:
-            composed.step()
-        t_end = time.time()
-        step_s.append(t_end - t0)
-        mine = result.loss if is_last and coords["tp"] == 0 else 0.0
-        loss = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(loss)  # for the curve: the last stages' losses, averaged over dp x cp
-        losses.append(loss.item() / (layout.dp * layout.cp))
-        if last_step:  # the pipeline's ops are timed from its own common start, ~t0
-            timeline = [
-                *result.timeline,
-                OpRecord("sync", -1, t_sync - t0, t_step - t0),
-                OpRecord("step", -1, t_step - t0, t_end - t0),
-            ]
-        if meter:
-            sent: dict[str, int] = {d: 0 for d in ("dp", "tp", "pp", "cp", "ep")}
-            for s in sends:
-                sent[_dimension_of(s, layout)] += s.nbytes
-            sent["pp"] += result.sent_bytes
-            sent["dp"] += sum(s.nbytes for s in sync_sends)
-            measured = StepMeasurement(
-                params=_bytes(composed.stage.parameters()),
-                grads=grads,
-                optimizer=sum(optimizer_state_bytes(o) for o in composed.optimizers),
-                activations=result.peak_saved_bytes or 0,
-                sent=sent,
-                wire={
-                    "forward/backward": wire_fb.bytes,
-                    "gradient sync": wire_sync.bytes,
-                    "ZeRO-1 step": wire_opt.bytes,
-                },
-            )
+    step = _ComposedStep(composed, stage, microbatches, measure, len(batches))
+    plan = [rank_batch(batch, layout, coords) for batch in batches]  # my rows and positions
+    train_loop(composed.model, step, None, None, plan, sync=GradientSync(step), callbacks=[step],
+               forward_backward=step)  # fmt: skip
     max_diff = None
     if reference_state is not None:
         reference = make_model()
         reference.load_state_dict(reference_state)
         max_diff = compare_with_reference(composed.stage, reference, groups)
-    return ComposedResult(losses, groups.rank, coords, max_diff, timeline, measured, step_s)
+    return ComposedResult(
+        step.losses, groups.rank, coords, max_diff, step.timeline, step.measured, step.step_s
+    )
 
 
 def time_layouts(
