@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from dmlbook.advanced.composition.layout import Layout
 from dmlbook.advanced.context_parallel.styles import cp_layout
+from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
 from dmlbook.advanced.zero.sharded_optimizer import partition_parameters
 from dmlbook.comm.costmodel import Link
 from dmlbook.model_parallel.pipeline import even_partition
@@ -76,7 +77,7 @@ class Workload:
     def of(cls, model, batch: int, seq: int, microbatches: int = 1, element_size: int = 4):
         """The workload of a char-GPT (dense or MoE) at a batch of ``batch`` x ``seq``."""
         c = model.config
-        moe = [m for m in model.modules() if hasattr(m, "router")]
+        moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
         n_experts = len(moe[0].experts) if moe else 0
         top_k = moe[0].router.top_k if moe else 2
         return cls(c.vocab_size, c.n_layer, c.n_embd, c.n_head, c.block_size, batch, seq,
