@@ -22,7 +22,11 @@ through this one module, in layers as in Megatron's ``mappings.py``:
 The sequence collectives check shapes first, as ring attention and expert parallelism do: one
 all-gather of every rank's ``(B, T, C)`` (:func:`check_same_sequence_split`), so that a sequence
 split differently on two ranks is the same ValueError on every rank instead of a gloo abort. The
-check runs in forward only: backward's shapes follow from forward's.
+check runs in forward only: backward's shapes follow from forward's. Its cost, measured on this
+project's 2-core CPU over gloo (loopback, a busy machine, medians of 300 calls): about 0.4 ms a
+check at 2 ranks, one all-gather of four integers, which doubles an all-gather of a chapter-13-
+sized block and vanishes in the noise for a 8 MB one; a whole TP + SP training step of a 2-block
+char-GPT (9 checks a forward) took 2-12% longer with the checks at 2 and 3 ranks.
 
 All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
