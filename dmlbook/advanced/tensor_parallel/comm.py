@@ -25,7 +25,7 @@ split differently on two ranks is the same ValueError on every rank instead of a
 check runs in forward only: backward's shapes follow from forward's. Its cost, measured on this
 project's 2-core CPU over gloo (loopback, a busy machine, medians of 300 calls): about 0.4 ms a
 check at 2 ranks, one all-gather of four integers, which doubles an all-gather of a chapter-13-
-sized block and vanishes in the noise for a 8 MB one; a whole TP + SP training step of a 2-block
+sized block and vanishes in the noise for an 8 MB one; a whole TP + SP training step of a 2-block
 char-GPT (9 checks a forward) took 2-12% longer with the checks at 2 and 3 ranks.
 
 All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
