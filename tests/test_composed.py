@@ -12,9 +12,7 @@ import functools
 import pytest
 import torch
 
-from dmlbook.advanced.composition.training import train_composed, train_reference
 from dmlbook.advanced.composition.layout import GROUP_NAMES, Layout
-from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.advanced.composition.planner import (
     Network,
     Workload,
@@ -23,7 +21,10 @@ from dmlbook.advanced.composition.planner import (
     predict_traffic,
     rank_layouts,
 )
+from dmlbook.advanced.composition.training import train_composed
+from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.comm.costmodel import Link
+from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import RankError, run
 from dmlbook.models import GPTConfig, char_gpt
 
@@ -121,7 +122,8 @@ LAYOUTS = {
 @functools.cache
 def composed(name: str):
     layout, make = LAYOUTS[name]
-    losses, state = train_reference(make, batches())
+    done = train_reference(make, batches(), optimizer=torch.optim.AdamW)  # one process
+    losses, state = done.losses, done.model.state_dict()
     results = run(train_composed, 8, make, batches(), layout, MICRO, 1e-2, state, True, timeout=240)
     return layout, make, losses, results
 

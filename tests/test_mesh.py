@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dmlbook.advanced.composition import mesh as mesh_lib
 from dmlbook.advanced.composition.layout import Layout, ProcessGroups
+from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import run
 from dmlbook.models import char_gpt
 
@@ -38,7 +39,7 @@ def batches():
 
 @functools.cache
 def reference():
-    return mesh_lib.train_reference(make_gpt, batches(), lr=1e-2)
+    return train_reference(make_gpt, batches(), lr=1e-2)  # Adam, one process
 
 
 def test_layout_of_a_2x2_mesh():

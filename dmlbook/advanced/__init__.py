@@ -20,9 +20,9 @@ One folder per strategy:
 
 The flat modules these folders replaced still import (:data:`OLD_MODULES`): ``import
 dmlbook.advanced.layout`` gives :mod:`dmlbook.advanced.composition.layout` itself, and an old
-module whose names now live in several (``parallelize``, ``mesh``) is a module holding all of
-them, each under its old name. No file stands in for them: :class:`_OldModuleFinder` maps the
-names on import.
+module whose names now live in several places (``parallelize``, ``mesh``, ``composed``) is a
+module holding all of them, each under its old name (:data:`RENAMED`). No file stands in for
+them: :class:`_OldModuleFinder` maps the names on import.
 """
 
 from __future__ import annotations
@@ -63,11 +63,14 @@ OLD_MODULES: dict[str, tuple[str, ...]] = {
 }
 RENAMED: dict[tuple[str, str], tuple[str, str]] = {
     ("parallelize", "apply_tensor_parallel"): ("composition.plan", "apply_plan"),
+    # the one single-process reference (returns the loop's state: .losses, .model)
+    ("mesh", "train_reference"): ("dmlbook.data_parallel.loop", "train_reference"),
+    ("composed", "train_reference"): ("dmlbook.data_parallel.loop", "train_reference"),
 }
 
 
 def _full(name: str) -> str:
-    return f"{__name__}.{name}"
+    return name if name.startswith("dmlbook.") else f"{__name__}.{name}"
 
 
 class _OldModuleLoader(importlib.abc.Loader):
@@ -78,7 +81,7 @@ class _OldModuleLoader(importlib.abc.Loader):
 
     def create_module(self, spec):
         modules = [importlib.import_module(_full(m)) for m in OLD_MODULES[self.old]]
-        if len(modules) == 1:
+        if len(modules) == 1 and not any(old == self.old for old, _ in RENAMED):
             self.real_spec = modules[0].__spec__  # the import system sets it; put it back after
             return modules[0]
         self.real_spec = None

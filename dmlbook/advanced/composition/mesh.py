@@ -19,7 +19,8 @@ one machine, joined by NVLink, as Megatron-LM places them.
 :func:`~dmlbook.advanced.composition.compose.compose`: chapter 9's tensor-parallel plan inside
 each TP group, the batch split over the DP groups, gradients averaged over DP and the optimizer
 state sharded over it (ZeRO-1, chapter 9b; the update is plain Adam's, elementwise).
-:func:`train_reference` is the single-process run it equals.
+:func:`~dmlbook.data_parallel.loop.train_reference` (Adam, whole batches) is the single-process
+run it equals.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mes
 from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
 from dmlbook.comm.groups import local_rows
 from dmlbook.data_parallel.loop import ForwardBackward, train_loop
-from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.models import Batch, CharGPT
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
     "mesh_groups",
     "shard_of",
     "train_hybrid",
-    "train_reference",
 ]
 
 
@@ -120,16 +119,6 @@ class DeviceMesh:
 class TrainResult:
     losses: list[float]  # the global batch's mean loss at each step
     model: nn.Module  # the trained model (this rank's shard for train_hybrid)
-
-
-def train_reference(
-    make_model: Callable[[], CharGPT],
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    lr: float = 1e-2,
-) -> TrainResult:
-    """Single-process training: Adam on each whole batch, the run :func:`train_hybrid` equals."""
-    done = _reference_loop(make_model, batches, optimizer=torch.optim.Adam, lr=lr)
-    return TrainResult(done.losses, done.model)
 
 
 def train_hybrid(

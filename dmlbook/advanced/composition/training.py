@@ -13,15 +13,17 @@ and each step is the single-process step cut along the layout:
 3. **gradient sync** (communication): dense gradients averaged over ``dp_cp`` (every rank there
    holds the same shard of the same stage), expert gradients over ``edp``, both divided by
    ``dp * cp``: each rank's loss is the mean over its ``1 / (dp cp)`` of the tokens;
-4. **ZeRO-1 step**: AdamW by :class:`~dmlbook.advanced.zero.sharded_optimizer.ShardedOptimizer`, its
-   state sharded over the same groups, the updated parameters broadcast by their owners.
+4. **ZeRO-1 step**: AdamW by :class:`~dmlbook.advanced.zero.sharded_optimizer.ShardedOptimizer`,
+   its state sharded over the same groups, the updated parameters broadcast by their owners.
 
-:func:`train_reference` is the one-process run it equals (AdamW, the whole batch), and
-:func:`compare_with_reference` checks, on every rank, that each parameter it holds equals the
-same slice of the reference model (so every element of the full model is checked somewhere).
-With ``measure=True`` the loop also returns what :mod:`dmlbook.advanced.composition.planner`
-predicts:
-each rank's memory and its bytes per dimension (see :class:`StepMeasurement`).
+The steps run on the one training loop (:func:`~dmlbook.data_parallel.loop.train_loop`, its
+step hook the pipeline schedule). The one-process run it equals is
+:func:`~dmlbook.data_parallel.loop.train_reference` with ``optimizer=torch.optim.AdamW`` (the
+whole batch), and :func:`compare_with_reference` checks, on every rank, that each parameter it
+holds equals the same slice of the reference model (so every element of the full model is
+checked somewhere). With ``measure=True`` the loop also returns what
+:mod:`dmlbook.advanced.composition.planner` predicts: each rank's memory and its bytes per
+dimension (see :class:`StepMeasurement`).
 
 The load-balancing auxiliary loss of the MoE is left out: it depends on which tokens are routed
 together, so it differs from one process by design; the capacity is unlimited (``None``) for
@@ -48,7 +50,6 @@ from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
 from dmlbook.comm.groups import even_block
 from dmlbook.data_parallel.loop import Callback, LoopState, train_loop
-from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
 from dmlbook.models import Batch
 
@@ -59,7 +60,6 @@ __all__ = [
     "rank_batch",
     "train_composed",
     "time_layouts",
-    "train_reference",
 ]
 
 
@@ -97,12 +97,6 @@ def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int]):
         idx = torch.cat([idx[:, a:b] for a, b in chunks], dim=1)
         targets = torch.cat([targets[:, a:b] for a, b in chunks], dim=1)
     return Batch(idx, targets)
-
-
-def train_reference(make_model: Callable[[], nn.Module], batches: Sequence[Batch], lr=1e-2):
-    """One process, the whole batch, AdamW: the losses and the final state dict."""
-    done = _reference_loop(make_model, batches, optimizer=torch.optim.AdamW, lr=lr)
-    return done.losses, {k: v.detach().clone() for k, v in done.model.state_dict().items()}
 
 
 def compare_with_reference(stage: nn.Module, reference: nn.Module, groups) -> float:
