@@ -109,6 +109,19 @@ def test_models_that_do_not_split_name_the_dimension(layout, seq, batch, experts
         layout.validate_model(config, seq, batch, microbatches=1, n_experts=experts)
 
 
+def test_zigzag_is_a_field_of_the_layout():
+    config = GPTConfig(vocab_size=VOCAB, **MODEL)
+    with pytest.raises(ValueError, match="cp: sequence length=6 is not divisible by 2 x cp=4"):
+        Layout(cp=2).validate_model(config, 6, 4)  # zigzag: 2 cp chunks
+    Layout(cp=2, zigzag=False).validate_model(config, 6, 4)  # contiguous: cp blocks
+    assert (
+        Layout(cp=2, zigzag=False) != Layout(cp=2)
+        and str(Layout(cp=2)) == "dp1 x tp1 x pp1 x cp2 x ep1"
+    )
+    with pytest.raises(ValueError, match="Layout.zigzag must be True or False, got 1"):
+        Layout(zigzag=1)
+
+
 # --------------------------------------------------------------------------- equal to one process
 
 LAYOUTS = {
