@@ -89,7 +89,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config._busy = BusyLoad(max(0, config.getoption("busy")))
+    # Under pytest-xdist the load is the controller's alone: its workers (which have a
+    # ``workerinput``) spin none of their own, so ``--busy 2`` means two spinners in all.
+    worker = hasattr(config, "workerinput")
+    config._busy = BusyLoad(0 if worker else max(0, config.getoption("busy")))
 
 
 def pytest_sessionstart(session):
