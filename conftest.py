@@ -1,4 +1,11 @@
-"""``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
+"""The suite's order, and ``--busy N``.
+
+Order: under pytest-xdist (``make test`` runs two workers, a file or a notebook per worker at a
+time) the longest runs must start first, or one of them ends the run alone on one worker. So
+``slow``-marked tests go first, then the notebooks, then the other test files, each group in its
+collection order; ``make test`` turns off xdist's own reordering (``--no-loadscope-reorder``).
+
+``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
 a shared classroom server is. N processes spin on the CPU from the session's start to its end;
 the timing claims of the chapters and tests must still hold (or be shown, not asserted).
 
@@ -76,6 +83,15 @@ class BusyLoad:
         if self.cpu_s is not None:
             line += f", using {self.cpu_s:.0f} CPU-seconds ({self.cpu_s / self.wall_s:.2f} cores)"
         return line
+
+
+def pytest_collection_modifyitems(items):
+    def group(item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if item.path.suffix == ".ipynb" else 2
+
+    items.sort(key=group)  # stable: a notebook's cells keep their order
 
 
 def pytest_addoption(parser):
