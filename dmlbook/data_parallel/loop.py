@@ -115,7 +115,7 @@ class Callback:
         """Before the first batch."""
 
     def on_step_start(self, state: LoopState) -> None:
-        """A step begins; ``state.batch`` is its batch."""
+        """A step begins; ``state.batch`` is its plan entry (its rows are loaded next)."""
 
     def inputs(self, state: LoopState, x: torch.Tensor) -> torch.Tensor:
         """This rank's inputs of the step, transformed (e.g. augmented) before the forward."""
