@@ -247,7 +247,7 @@ def _step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
     inputs = batch.inputs
     for callback in state.callbacks:
         inputs = callback.inputs(state, inputs)
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad()  # set_to_none (torch >= 2); a ZeRO wrapper may stand in
     loss = forward_backward(state, Batch(inputs, batch.targets))  # compute (the step hook)
     state.loss = loss
     state.emit("after_backward")
