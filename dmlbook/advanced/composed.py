@@ -45,8 +45,8 @@ from dmlbook.comm import collectives
 from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
 from dmlbook.data_parallel import average_gradients
+from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
-from dmlbook.models import train_on_batches
 
 __all__ = [
     "ComposedResult",
@@ -101,9 +101,8 @@ def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int], zigzag: boo
 
 def train_reference(make_model: Callable[[], nn.Module], batches: Sequence[Batch], lr=1e-2):
     """One process, the whole batch, AdamW: the losses and the final state dict."""
-    model = make_model()
-    losses = train_on_batches(model, batches, torch.optim.AdamW(model.parameters(), lr=lr))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    done = _reference_loop(make_model, batches, optimizer=torch.optim.AdamW, lr=lr)
+    return done.losses, {k: v.detach().clone() for k, v in done.model.state_dict().items()}
 
 
 def compare_with_reference(stage: nn.Module, reference: nn.Module, groups, zigzag=True) -> float:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.advanced.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
-from dmlbook.models import CharGPT, train_on_batches
+from dmlbook.data_parallel.loop import train_reference as _reference_loop
+from dmlbook.models import CharGPT
 
 __all__ = [
     "DeviceMesh",
@@ -149,9 +150,8 @@ def train_reference(
     lr: float = 1e-2,
 ) -> TrainResult:
     """Single-process training: Adam on each whole batch, the run :func:`train_hybrid` equals."""
-    model = make_model()
-    return TrainResult(train_on_batches(model, batches, torch.optim.Adam(model.parameters(), lr)),
-                       model)  # fmt: skip
+    done = _reference_loop(make_model, batches, optimizer=torch.optim.Adam, lr=lr)
+    return TrainResult(done.losses, done.model)
 
 
 def train_hybrid(

@@ -352,13 +352,13 @@ def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
     """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dmlbook.datasets import load_digits, shard_indices
+    from dmlbook.data_parallel.loop import strided_batches, train_loop
+    from dmlbook.datasets import load_digits
     from dmlbook.models import mlp
 
     x, y = load_digits("train")
     x_test, y_test = load_digits("test")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_batch, steps = config.global_batch // world, len(x) // config.global_batch
     results = {}
     for name, (hook, make_state) in schemes.items():
         state = make_state()
@@ -366,18 +366,12 @@ def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
         ddp = DDP(model)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
-        losses = []
+        plan = strided_batches(len(x), config.global_batch, rank=rank, world_size=world,
+                               epochs=config.epochs, seed=config.seed)  # fmt: skip
         dist.barrier()  # DDP's construction traffic stays outside the measurement
         with WireMeter() as wire:
-            for epoch in range(config.epochs):
-                shard = shard_indices(len(x), rank, world, seed=config.seed, epoch=epoch)
-                for t in range(steps):
-                    idx = shard[t * local_batch : (t + 1) * local_batch]
-                    loss = F.cross_entropy(ddp(x[idx]), y[idx])  # compute
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()  # communication: the hook runs once per bucket
-                    opt.step()
-                    losses.append(loss.item())
+            # the one loop; DDP's backward runs the hook once per bucket (communication)
+            losses = train_loop(ddp, opt, x, y, plan).losses
             dist.barrier()  # every rank has received all we sent, so the kernel sent it all
         with torch.no_grad():
             correct = (model(x_test).argmax(dim=1) == y_test).float().mean().item()

@@ -16,6 +16,7 @@ from torch import nn
 
 from dmlbook.advanced.zero.stages import zero_data_parallel
 from dmlbook.comm import collectives as C  # a parameter below is named "collectives"
+from dmlbook.models import batch_loss
 from dmlbook.optim import adam_update_
 
 
@@ -52,7 +53,7 @@ def train(
         zero.zero_grad()
         recording = C.recording() if record_sends and last else nullcontext([])
         with recording as sent:
-            loss = loss_fn(zero(xs), ys)
+            loss = batch_loss(zero, (xs, ys), loss_fn)
             loss.backward()
             zero.step()
         sends = [s.nbytes for s in sent]
@@ -95,7 +96,7 @@ def ddp_train(
     for x, y in batches:
         xs, ys = _local_batch(x, y)
         optimizer.zero_grad()
-        loss_fn(ddp(xs), ys).backward()
+        batch_loss(ddp, (xs, ys), loss_fn).backward()
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -141,7 +142,7 @@ def fsdp2_train(
         with warnings.catch_warnings():  # a caution that in-place ops on an output that is a
             # view would skip the pre-backward gather; the models here do none
             warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
-            output = model(xs)
-        loss_fn(output, ys).backward()  # FSDP2 reduce-scatters the averaged gradient
+            loss = batch_loss(model, (xs, ys), loss_fn)
+        loss.backward()  # FSDP2 reduce-scatters the averaged gradient
         optimizer.step()
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
