@@ -115,7 +115,7 @@ class Callback:
         """Before the first batch."""
 
     def on_step_start(self, state: LoopState) -> None:
-        """A step begins; ``state.batch`` is its batch."""
+        """A step begins; ``state.batch`` is its plan entry (its rows are loaded next)."""
 
     def inputs(self, state: LoopState, x: torch.Tensor) -> torch.Tensor:
         """This rank's inputs of the step, transformed (e.g. augmented) before the forward."""
@@ -217,7 +217,7 @@ def train_loop(
     for batch in batches:
         state.batch = batch
         try:
-            _step(state, _tensors(batch, x, y), sync, forward_backward)
+            _step(state, x, y, sync, forward_backward)
             state.emit("on_step")
             if getattr(batch, "last_in_epoch", False):
                 state.emit("on_epoch")
@@ -239,14 +239,15 @@ def _tensors(entry: LocalBatch | Batch, x, y) -> Batch:
     return Batch(inputs, targets)
 
 
-def _step(state: LoopState, batch: Batch, sync, forward_backward: Callable) -> None:
-    """One step: compute, communicate, update."""
+def _step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
+    """One step: load, compute, communicate, update."""
     model = state.model
     state.emit("on_step_start")
+    batch = _tensors(state.batch, x, y)  # data loading: this rank's rows
     inputs = batch.inputs
     for callback in state.callbacks:
         inputs = callback.inputs(state, inputs)
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad()  # set_to_none (torch >= 2); a ZeRO wrapper may stand in
     loss = forward_backward(state, Batch(inputs, batch.targets))  # compute (the step hook)
     state.loss = loss
     state.emit("after_backward")
