@@ -1,12 +1,13 @@
 """dmlbook.advanced.tensor_parallel.sequence_parallel: at TP = 1-4 the char-GPT with tensor +
 sequence parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor
-parallelism: loss, every gradient and three Adam steps (float64 to 1e-10); each block's all-reduce becomes a
-reduce-scatter and an all-gather; the styles equal torch's DTensor SequenceParallel /
-ColwiseParallel(input_layouts=Shard(1)) / RowwiseParallel(output_layouts=Shard(1)); the bytes a
-block saves for backward, measured, equal the formula (TP: replicated + split / t; SP: all / t);
-a sequence length that does not divide raises ValueError naming it, on every rank, no hang; a
-sequence split differently on two ranks (world 2 and 3) is a ValueError naming every rank's shape,
-on every rank, instead of a gloo abort."""
+parallelism: loss, every gradient and three Adam steps (float64 to 1e-10); each block's
+all-reduce becomes a reduce-scatter and an all-gather; the styles equal torch's DTensor
+SequenceParallel / ColwiseParallel(input_layouts=Shard(1)) /
+RowwiseParallel(output_layouts=Shard(1)); the bytes a block saves for backward, measured, equal
+the formula (TP: replicated + split / t; SP: all / t); a sequence length that does not divide
+raises ValueError naming it, on every rank, no hang; a sequence split differently on two ranks
+(world 2 and 3) is a ValueError naming every rank's shape, on every rank, instead of a gloo
+abort."""
 
 from __future__ import annotations
 
