@@ -36,14 +36,14 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (:mod:`dmlbook.magic`)."""
-    from dmlbook.magic import load_ipython_extension as load  # imports torch: only when asked
+    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (``dmlbook.runtime.magic``)."""
+    from dmlbook.runtime.magic import load_ipython_extension as load  # imports torch: on demand
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext dmlbook``: stop the ranks the magics started."""
-    from dmlbook.magic import unload_ipython_extension as unload
+    from dmlbook.runtime.magic import unload_ipython_extension as unload
 
     unload(ipython)

@@ -5,7 +5,7 @@ to the next cell. A :class:`Ranks` session keeps its ranks, each with its proces
 own namespace, until it is closed. Chapter 2 walks through the collectives one at a time on
 such ranks, printing what each rank holds after each one; chapter 9 cuts tensor-parallel layers
 shard by shard and looks at each rank's piece. In a notebook, ``%load_ext dmlbook`` puts this
-object behind ``%ranks`` and ``%%ranks`` (:mod:`dmlbook.magic`); in a script or a test::
+object behind ``%ranks`` and ``%%ranks`` (:mod:`dmlbook.runtime.magic`); in a script or a test::
 
     with Ranks(4) as ranks:
         ranks.exec("t = torch.tensor([float(rank)])")
@@ -14,8 +14,8 @@ object behind ``%ranks`` and ``%%ranks`` (:mod:`dmlbook.magic`); in a script or 
 
 Each rank's namespace starts with ``torch``, ``dist``, ``rank`` and ``world_size``. The ranks
 start, rendezvous, report failures and die with the caller exactly as ``run``'s do
-(:mod:`dmlbook._rank_group`); requests and answers travel over one socket pair per rank
-(:mod:`dmlbook._rank_server`). Failures:
+(:mod:`dmlbook.runtime.rank_group`); requests and answers travel over one socket pair per rank
+(:mod:`dmlbook.runtime.protocol`), served by :mod:`dmlbook.runtime.rank_server`. Failures:
 
 * a rank that raises gives :class:`~dmlbook.launch.RankError` with the cell's source line; the
   other ranks keep their state. Ranks still running are interrupted; one that waits inside a
@@ -43,18 +43,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dmlbook import _shipping
-from dmlbook._rank_group import RankGroup, classify_failure, first_failure
-from dmlbook._rank_server import Channel
-from dmlbook.launch import (
+from dmlbook.runtime import errors, shipping
+from dmlbook.runtime.errors import (
     BACKENDS,
-    FAILURE_GRACE_S,
     INSIDE_RUN,
     RankError,
+    RanksClosedError,
     RankTimeoutError,
-    _resolve_backend,
     timeout_error,
 )
+from dmlbook.runtime.failures import classify_failure, first_failure
+from dmlbook.runtime.protocol import Channel
+from dmlbook.runtime.rank_group import RankGroup, resolve_backend
 
 __all__ = ["Ranks", "RankStatus", "RanksClosedError"]
 
@@ -63,10 +63,6 @@ INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks may take to answer
 STREAM_AFTER_S = 1.0  # a request's output is shown rank by rank; after this long, as it comes
 RESTART = "`%ranks restart` (or Ranks.restart()) starts new ones"
 _cells = itertools.count(1)
-
-
-class RanksClosedError(RuntimeError):
-    """The session's ranks are not running (stopped, or one died); ``restart()`` starts new ones."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +87,7 @@ class Ranks:
         if os.environ.get(INSIDE_RUN):
             raise RuntimeError("Ranks cannot be started inside a rank; nesting is not supported")
         self.world_size, self.timeout = world_size, _checked_timeout(timeout)
-        self.backend = _resolve_backend(backend, world_size)
+        self.backend = resolve_backend(backend, world_size)
         self._closed: str | None = "not started"
         self._start()
 
@@ -102,7 +98,7 @@ class Ranks:
         of the last line on each rank if it is an expression (else None), in rank order."""
         filename = filename or f"<rank-cell-{next(_cells)}>"
         lines = source.splitlines(True)
-        _shipping.install_sources({filename: lines})  # for stack dumps, and syntax errors
+        shipping.install_sources({filename: lines})  # for stack dumps, and syntax errors
         compile(source, filename, "exec")  # a syntax error is the caller's, raised here
         return self._request("exec", (source, filename, lines), on, timeout)
 
@@ -213,7 +209,9 @@ class Ranks:
         try:
             while len(answers) + len(failures) < len(ranks):
                 now = time.monotonic()
-                if now - started > timeout or (failed_at and now - failed_at > FAILURE_GRACE_S):
+                if now - started > timeout or (
+                    failed_at and now - failed_at > errors.FAILURE_GRACE_S
+                ):
                     break
                 if self._take(request_id, answers, failures, output, timeout=0.05):
                     failed_at = failed_at or (time.monotonic() if failures else None)
@@ -370,7 +368,7 @@ def _read(rank: int, channel: Channel, inbox: queue.Queue) -> None:
 
 def _ship(obj: Any) -> tuple[bytes, dict]:
     try:
-        return _shipping.dumps(obj)
+        return shipping.dumps(obj)
     except Exception as e:
         raise TypeError(f"cannot ship this to the ranks: {e}") from e
 
