@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmlbook import data_parallel as dp
-from dmlbook import launch
 from dmlbook.data_parallel import ps
 from dmlbook.datasets import load_digits, make_classification, shard_indices
 from dmlbook.launch import RankError, run
 from dmlbook.models import mlp
+from dmlbook.runtime import errors as runtime_errors
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 workers
 SETTINGS = dict(global_batch=GLOBAL_BATCH, lr=0.2, epochs=2, seed=3)
@@ -253,7 +253,7 @@ def test_dead_worker_ends_the_run_and_leaves_whole_updates(tmp_path, monkeypatch
     report, die_at = str(tmp_path / "server.pt"), 5
     # The launcher stops the other ranks FAILURE_GRACE_S after the first failure; give the server
     # ample time to write its report even on a loaded machine (the outcome does not depend on it).
-    monkeypatch.setattr(launch, "FAILURE_GRACE_S", 2.0)
+    monkeypatch.setattr(runtime_errors, "FAILURE_GRACE_S", 2.0)
     start = time.monotonic()
     with pytest.raises(RankError) as failure:
         run(dying_worker, 3, report, die_at, timeout=30)

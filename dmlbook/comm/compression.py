@@ -22,8 +22,10 @@ which costs ``(W - 1) * payload`` bytes per rank where a ring all-reduce costs
 ``2 (W - 1) / W * payload``: at W ranks int8 costs ``W / 8`` of fp32 and 1-bit ``W / 64``, so
 int8 stops paying off at 8 ranks. Production 1-bit schemes (1-bit Adam) compress a reduce-scatter
 and then an all-gather instead. ``state.bytes_sent`` counts what a hook sent by these formulas;
-:class:`WireMeter` *measures* what the kernel's TCP really sent, and :func:`compare_schemes`
-trains the digits MLP under every scheme and reports both, with the accuracy each one reaches.
+:class:`WireMeter` *measures* what the kernel's TCP really sent. :func:`train_schemes`, a rank
+function (``run(train_schemes, 2, backend="gloo")``), trains the digits MLP under every scheme,
+and :func:`compare_schemes` turns the ranks' results into one table of both counts, with the
+accuracy each scheme reaches.
 """
 
 import math
@@ -55,6 +57,7 @@ __all__ = [
     "SCHEMES",
     "DigitsRun",
     "compare_schemes",
+    "train_schemes",
 ]
 
 # The return annotation that DDP's register_comm_hook checks (hence no postponed annotations).
@@ -338,7 +341,7 @@ SCHEMES: dict[str, Scheme] = {
 
 @dataclass
 class DigitsRun:
-    """How :func:`compare_schemes` trains the digits MLP (plain SGD, as chapter 1)."""
+    """How :func:`train_schemes` trains the digits MLP (plain SGD, as chapter 1)."""
 
     epochs: int = 10
     global_batch: int = 64  # summed over the ranks
@@ -348,14 +351,23 @@ class DigitsRun:
     seed: int = 0  # initial weights and the data order
 
 
-def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
-    """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init."""
+def train_schemes(
+    schemes: list[str] | dict[str, Scheme] | None = None, config: DigitsRun | None = None
+) -> dict:
+    """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init.
+
+    ``schemes``: names from :data:`SCHEMES` (all of them by default) or your own
+    ``{name: (hook, make_state)}``. Launch it over gloo, even with GPUs: the meter counts TCP,
+    which NCCL over NVLink or shared memory avoids. :func:`compare_schemes` reads the results.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dmlbook.data_parallel.loop import strided_batches, train_loop
     from dmlbook.datasets import load_digits
     from dmlbook.models import mlp
 
+    schemes = _named(schemes)
+    config = config or DigitsRun()
     x, y = load_digits("train")
     x_test, y_test = load_digits("test")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -388,31 +400,25 @@ def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
     return results
 
 
-def compare_schemes(
-    world_size: int = 2,
-    schemes: list[str] | dict[str, Scheme] | None = None,
-    config: DigitsRun | None = None,
-    timeout: float = 120.0,
-) -> dict[str, dict]:
-    """Train the digits MLP under each scheme (names from SCHEMES, or your own) in one launch.
+def _named(schemes: list[str] | dict[str, Scheme] | None) -> dict[str, Scheme]:
+    if isinstance(schemes, dict):
+        return schemes
+    names = list(SCHEMES) if schemes is None else list(schemes)
+    if unknown := [n for n in names if n not in SCHEMES]:
+        raise ValueError(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
+    return {n: SCHEMES[n] for n in names}
+
+
+def compare_schemes(per_rank: list[dict]) -> dict[str, dict]:
+    """One table from :func:`train_schemes`' results on every rank (``run``'s list, by rank).
 
     Returns, per scheme: ``accuracy`` (test set), ``loss`` (per step, mean over ranks),
     ``wire_bytes`` and ``segments`` (measured TCP payload and segments, summed over ranks),
     ``hook_bytes`` and ``collectives`` (the hooks' own count, summed), ``wire_vs_fp32`` (when fp32
     ran) and ``ranks_agree`` (every rank ended with bit-identical parameters).
     """
-    from dmlbook.launch import run
-
-    if not isinstance(schemes, dict):
-        names = list(SCHEMES) if schemes is None else list(schemes)
-        if unknown := [n for n in names if n not in SCHEMES]:
-            raise ValueError(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
-        schemes = {n: SCHEMES[n] for n in names}
-    # gloo, even with GPUs: the meter counts TCP, which NCCL over NVLink or shared memory avoids
-    config = config or DigitsRun()
-    per_rank = run(_train_schemes, world_size, schemes, config, backend="gloo", timeout=timeout)
     table = {}
-    for name in schemes:
+    for name in per_rank[0]:
         runs = [r[name] for r in per_rank]
         table[name] = dict(
             accuracy=runs[0]["accuracy"],

@@ -16,18 +16,22 @@ one function each, with ``rank`` and ``world_size`` keyword-only so that they ca
 (chapters 9, 9b, 13: every data-parallel dimension takes its rows this way).
 
 :func:`group_rank_size` and :func:`barrier` also work outside a process group, as the one rank of
-a world of one, so that the same rank function runs in a single process.
+a world of one, so that the same rank function runs in a single process; :func:`device` is the
+rank's device (every chapter's rank functions put their tensors there; also
+``dmlbook.launch.device``).
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
     "balanced_blocks",
     "barrier",
+    "device",
     "even_block",
     "group_rank_size",
     "local_rows",
@@ -41,6 +45,13 @@ def group_rank_size(group=None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def device() -> torch.device:
+    """This rank's device: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def barrier(group=None) -> None:

@@ -147,7 +147,7 @@ class PipelineStage:
         if not 0 <= stage < stages:
             raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
         if device is None:
-            from dmlbook.launch import device as rank_device
+            from dmlbook.comm.groups import device as rank_device
 
             device = rank_device()
         self.device = torch.device(device)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from dmlbook.comm.groups import balanced_blocks
+from dmlbook.comm.groups import balanced_blocks, device
 from dmlbook.data_parallel.ps.messages import (
     DONE,
     GRADIENT,
@@ -24,7 +24,6 @@ from dmlbook.data_parallel.ps.messages import (
 from dmlbook.data_parallel.ps.results import WorkerResult
 from dmlbook.data_parallel.ps.sharding import _load, _put, _take
 from dmlbook.datasets import shard_indices
-from dmlbook.launch import device
 
 
 def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
