@@ -382,3 +382,45 @@ def _transfer_dtype_misuse(case):
 def test_transfer_dtype_misuse_is_refused_before_any_message(case, error, message):
     with pytest.raises(error, match=message):
         _transfer_dtype_misuse(case)
+
+
+# --------------------------------------------------------------------------- the check in the message
+
+
+def _mismatch_then_recover():
+    """Equal calls, then calls where one rank's tensor differs (the first message carries the
+    check), each caught; then an equal call must give the right sum: nothing left on the wire."""
+    from dmlbook.comm import shapecheck
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    errors = []
+    cases = [  # (the equal length, this rank's length, transfer dtype, inline limit in bytes)
+        (10, 10 + (rank == world - 1), None, 1 << 20),  # the first slice behind the header
+        (3000, 3000 - (rank == 0), None, 1024),  # 3-6 KiB slices: sent apart from the header
+        (7, 0 if rank == 1 else 7, None, 1 << 20),  # an empty tensor on one rank
+        (9, 9, torch.bfloat16 if rank == 0 else None, 1 << 20),  # transfer dtype on one rank
+    ]
+    for same, n, wire, limit in cases:
+        shapecheck.INLINE_BYTES = limit
+        ok = torch.full((same,), float(rank))
+        C.all_reduce(ok)  # an equal call first: the same shape was fine just before
+        try:
+            C.all_reduce(torch.ones(n), transfer_dtype=wire)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+        after = torch.full((same,), float(rank + 1))
+        C.all_reduce(after)
+        errors.append(after.tolist() == [world * (world + 1) / 2] * same)
+    return errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_shape_that_changes_between_calls_is_an_error_on_every_rank(world):
+    for rank, errors in enumerate(run(_mismatch_then_recover, world, timeout=90)):
+        messages, recovered = errors[0::2], errors[1::2]
+        assert recovered == [True] * 4, (rank, errors)
+        assert all(m is not None and "ranks passed different" in m for m in messages), messages
+        assert f"rank {world - 1}: (11,)" in messages[0]
+        assert "(wire torch.bfloat16)" in messages[3]

@@ -35,6 +35,7 @@ import torch
 
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.comm.p2p import _combine, _Comm, _scratch
+from dmlbook.comm.shapecheck import ShapeCheck, fits_inline
 from dmlbook.comm.trace import Send
 
 __all__ = ["ALGORITHMS", "RING_SLICE_BYTES", "chunk_holdings"]
@@ -106,44 +107,67 @@ def _ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, in
     return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]
 
 
-def _ring_reduce_scatter(comm: _Comm, flat: torch.Tensor, op, chunks, wire=None) -> None:
+def _ring_reduce_scatter(
+    comm: _Comm, flat: torch.Tensor, op, chunks, wire=None, check: ShapeCheck | None = None
+) -> None:
     """p-1 steps: at step s rank r sends chunk (r-s-1) mod p to r+1 and adds the chunk arriving
     from r-1 into its own copy; afterwards rank r holds chunk r summed over every rank.
 
     Each chunk travels as slices: a slice is forwarded as soon as it has been reduced, so
     receiving the next slice overlaps the addition. With ``wire`` (a dtype), slices are sent
-    rounded to it and added, on arrival, into ``flat``'s own precision.
+    rounded to it and added, on arrival, into ``flat``'s own precision. With ``check``, the
+    first slice travels behind the shape check's header (:mod:`dmlbook.comm.shapecheck`).
     """
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     if size == 1:
         return
     wire = wire or flat.dtype
-    send = (lambda t: t) if wire == flat.dtype else (lambda t: t.to(wire))
     slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
     longest = max(b - a for a, b in chunks)
     scratch = _scratch(2 * longest, flat.new_empty(0, dtype=wire)).split(longest)  # two steps'
 
-    def post_recvs(step: int):
-        c = (rank - step - 2) % size
-        base = chunks[c][0]
-        buf = scratch[step % 2]
-        return [(a, b, comm.irecv(buf[a - base : b - base], left, step)) for a, b in slices[c]]
+    def on_wire(a: int, b: int) -> torch.Tensor:
+        return flat[a:b] if wire == flat.dtype else flat[a:b].to(wire)
 
-    c = (rank - 1) % size
-    for a, b in slices[c]:
-        comm.isend(send(flat[a:b]), right, 0, "reduce-scatter", c)
-    recvs = post_recvs(0)
+    def post_recvs(step: int, arrived: torch.Tensor | None = None):
+        """(start, stop, receive, where it lands) for each slice of this step's chunk; a slice
+        that ``arrived`` already (behind the header) needs no receive."""
+        c = (rank - step - 2) % size
+        base, buf = chunks[c][0], scratch[step % 2]
+        recvs = []
+        for a, b in slices[c]:
+            if arrived is not None:
+                got, arrived = arrived[: (b - a) * buf.element_size()].view(wire), None
+                recvs.append((a, b, None, got))
+            else:
+                into = buf[a - base : b - base]
+                recvs.append((a, b, comm.irecv(into, left, step), into))
+        return recvs
+
+    first = (rank - 1) % size
+    if check is None:
+        recvs = post_recvs(0)  # receives are posted before the step's sends go out
+        for a, b in slices[first]:
+            comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
+    else:
+        check.post_receives()
+        head = slices[first][:1]
+        inline = bool(head) and fits_inline((head[0][1] - head[0][0]) * wire.itemsize)
+        check.ring_start(right, on_wire(*head[0]) if inline else None, first)
+        for a, b in slices[first][1 if inline else 0 :]:
+            comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
+        recvs = post_recvs(0, check.verify())  # a mismatch raises here, on every rank
     for step in range(size - 1):
         c = (rank - step - 2) % size
-        base = chunks[c][0]
-        nxt = post_recvs(step + 1) if step + 1 < size - 1 else []
-        for a, b, work in recvs:
+        last = step == size - 2
+        nxt = [] if last else post_recvs(step + 1)
+        for a, b, work, got in recvs:
             if work is not None:
                 work.wait()
-            _combine(flat[a:b], scratch[step % 2][a - base : b - base], op)
-            if step + 1 < size - 1:  # forward the freshly reduced slice straight away
-                comm.isend(send(flat[a:b]), right, step + 1, "reduce-scatter", c)
+            _combine(flat[a:b], got, op)
+            if not last:  # forward the freshly reduced slice straight away
+                comm.isend(on_wire(a, b), right, step + 1, "reduce-scatter", c)
         recvs = nxt
     comm.wait_all()
 
@@ -155,22 +179,30 @@ def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) ->
     if size == 1:
         return
     slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
+
+    def post_recvs(step: int):  # receives are posted before the step's sends go out
+        c = (rank - step - 1) % size
+        return [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
+
+    recvs = post_recvs(0)
     for a, b in slices[rank]:
         comm.isend(flat[a:b], right, step0, "all-gather", rank)
     for step in range(size - 1):
         c = (rank - step - 1) % size
-        recvs = [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
+        last = step == size - 2
+        nxt = [] if last else post_recvs(step + 1)
         for a, b, work in recvs:
             if work is not None:
                 work.wait()
-            if step + 1 < size - 1:
+            if not last:
                 comm.isend(flat[a:b], right, step0 + step + 1, "all-gather", c)
+        recvs = nxt
     comm.wait_all()
 
 
-def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None) -> None:
+def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None) -> None:
     chunks = balanced_blocks(flat.numel(), comm.size)
-    _ring_reduce_scatter(comm, flat, op, chunks, wire)
+    _ring_reduce_scatter(comm, flat, op, chunks, wire, check)
     if wire is None or wire == flat.dtype:
         _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)
         return

@@ -61,6 +61,7 @@ from dmlbook.comm.p2p import (
     _flat,
     _write_back,
 )
+from dmlbook.comm.shapecheck import ShapeCheck
 from dmlbook.comm.trace import Send
 
 __all__ = [
@@ -86,40 +87,12 @@ def recording() -> AbstractContextManager[list[Send]]:
 
 # --------------------------------------------------------------------------- the shape check
 
-_DTYPE_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
-_MAX_DIMS = 8
-_CHECK_TAGS = 1 << 20  # tags for the shape check, clear of the algorithms' step numbers
-
 
 def _check_same_shape(comm: _Comm, tensor: torch.Tensor, what: str) -> None:
-    """One ring all-gather of a few integers: did every rank pass the same shape and dtype?
-
-    Point-to-point code given mismatched tensors would wait for messages that never come; this
-    turns the mismatch into a ValueError on every rank, naming the ranks that disagree.
-    """
-    if comm.size == 1:
-        return
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"{comm.collective} supports tensors of up to {_MAX_DIMS} dimensions")
-    width = 2 + _MAX_DIMS
-    mine = [tensor.dim(), _DTYPE_CODE[tensor.dtype], *tensor.shape]
-    fields = torch.zeros(comm.size * width, dtype=torch.int64, device=tensor.device)
-    fields[comm.rank * width : comm.rank * width + len(mine)] = torch.tensor(mine)
-    comm.tag_base = _CHECK_TAGS
-    try:
-        _ring_all_gather(comm, fields, [(r * width, (r + 1) * width) for r in range(comm.size)])
-    finally:
-        comm.tag_base = 0
-    rows = fields.view(comm.size, width).tolist()
-    if any(row != rows[0] for row in rows):
-
-        def describe(row):
-            return f"{tuple(row[2 : 2 + row[0]])} {_DTYPES[row[1]]}"
-
-        found = ", ".join(
-            f"rank {comm.global_rank(r)}: {describe(row)}" for r, row in enumerate(rows)
-        )
-        raise ValueError(f"{comm.collective}: ranks passed different {what} ({found})")
+    """The header alone to and from every peer (:class:`~dmlbook.comm.shapecheck.ShapeCheck`):
+    a mismatch is a ValueError on every rank, naming the ranks that disagree, never a hang."""
+    if comm.size > 1:
+        ShapeCheck(comm, tensor, what).exchange()
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -151,15 +124,21 @@ def all_reduce(
     comm = _Comm(group, "all_reduce")
     if not comm.member():
         return
-    if check:
+    if comm.size == 1:
+        return
+    # The ring carries the check in its first message; the others send it alone first.
+    inline = check and algorithm == "ring" and tensor.numel() > 0
+    if check and not inline:
         _check_same_shape(comm, tensor, "tensor shapes or dtypes")
-    if comm.size == 1 or tensor.numel() == 0:
+    if tensor.numel() == 0:
         return
     flat = _flat(tensor)
-    if transfer_dtype is None:
-        _ALL_REDUCE[algorithm](comm, flat, op)
+    if algorithm == "ring":
+        what = "tensor shapes or dtypes"
+        shapes = ShapeCheck(comm, tensor, what, transfer_dtype) if inline else None
+        _ring_all_reduce(comm, flat, op, transfer_dtype, shapes)
     else:
-        _ring_all_reduce(comm, flat, op, wire=transfer_dtype)
+        _ALL_REDUCE[algorithm](comm, flat, op)
     _finish_avg(flat, op, comm.size)
     _write_back(tensor, flat)
 
