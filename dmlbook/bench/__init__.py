@@ -45,16 +45,24 @@ import torch.distributed as dist
 # only when its benchmark runs; here, what they share.
 
 
-def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> float:
+def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> dict:
+    """Print one figure beside its baseline (medians, their ratio); return it as a record."""
     a, b = statistics.median(ours), statistics.median(theirs)
     print(f"{name:38s} ours {a:8.3f} {unit}   torch {b:8.3f} {unit}   ratio {a / b:5.2f}x")
-    return a / b
+    return dict(name=name, median=a, baseline_median=b, ratio=a / b, unit=unit, runs=len(ours))
 
 
 def _write_json(records: list[dict], path: str | None) -> None:
+    """Write ``records`` to ``path`` whole or not at all (a temporary file, then a rename)."""
     if path:
-        with open(path, "w") as f:
-            json.dump(records, f, indent=1)
+        partial = f"{path}.{os.getpid()}.partial"
+        try:
+            with open(partial, "w") as f:
+                json.dump(records, f, indent=1, default=str)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
         print(f"wrote {len(records)} records to {path}")
 
 
@@ -98,57 +106,64 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
     parser.add_argument(
         "--json",
-        help="ranks, allreduce, ddp, recompute, pipeline, composed: write the records to this file",
+        help="write the records to this file (with all: every bench's, each tagged with its bench)",
     )
     parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
     parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: bucket size")
     args = parser.parse_args(argv)
-    every = args.which == "all"
     if args.which == "gpu-check":
         from dmlbook.bench.gpu import gpu_check
 
         raise SystemExit(gpu_check())
+    every = args.which == "all"
+    records: list[dict] = []  # every bench's records, each tagged with its bench
+
+    def keep(bench: str, rows) -> None:
+        records.extend({"bench": bench, **row} for row in rows or [])
+
     if every or args.which == "launch":
         from dmlbook.bench.launch import bench_launch
 
-        bench_launch()
+        keep("launch", bench_launch())
     if every or args.which == "ranks":
         from dmlbook.bench.ranks import bench_ranks
 
-        _write_json(bench_ranks(), args.json if args.which == "ranks" else None)
+        keep("ranks", bench_ranks())
     if every or args.which == "data-parallel":
         from dmlbook.bench.data_parallel import bench_data_parallel
 
-        bench_data_parallel(args.world_size)
+        keep("data-parallel", bench_data_parallel(args.world_size))
     if every or args.which == "ddp":
         from dmlbook.bench.ddp import bench_ddp
 
         models = tuple(args.models.split(","))
-        json_path = args.json if args.which == "ddp" else None
-        bench_ddp(args.world_size, models, args.steps, 5, args.bucket_cap_mb, json_path)
+        keep("ddp", bench_ddp(args.world_size, models, args.steps, 5, args.bucket_cap_mb))
     if every or args.which == "allreduce":
         from dmlbook.bench.allreduce import bench_allreduce, parse_size
 
         sizes = tuple(parse_size(s) for s in args.sizes.split(","))
-        bench_allreduce(args.world_size, sizes, args.repeats, check=args.check, json_path=args.json)
+        keep("allreduce", bench_allreduce(args.world_size, sizes, args.repeats, check=args.check))
     if every or args.which == "recompute":
         from dmlbook.bench.recompute import bench_recompute
 
-        bench_recompute(json_path=args.json if args.which == "recompute" else None)
+        keep("recompute", bench_recompute())
     if every or args.which == "pipeline":
         from dmlbook.bench.pipeline import bench_pipeline
 
-        bench_pipeline(json_path=args.json if args.which == "pipeline" else None)
+        keep("pipeline", bench_pipeline())
     if every or args.which == "netlab":
         from dmlbook.bench.netlab import bench_netlab
 
-        bench_netlab()
+        keep("netlab", bench_netlab())
     if every or args.which == "composed":
         from dmlbook.bench.composed import bench_composed
 
-        bench_composed(json_path=args.json if args.which == "composed" else None)
+        keep("composed", bench_composed())
     if (every and torch.cuda.is_available()) or args.which == "gpu":
         from dmlbook.bench.gpu import bench_gpu
 
-        _write_json(bench_gpu(), args.json if args.which == "gpu" else None)
+        keep("gpu", bench_gpu())
+    if not every:  # one bench: its own records, as before, without the tag
+        records = [{k: v for k, v in row.items() if k != "bench"} for row in records]
+    _write_json(records, args.json)
