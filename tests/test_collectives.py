@@ -384,7 +384,7 @@ def test_transfer_dtype_misuse_is_refused_before_any_message(case, error, messag
         _transfer_dtype_misuse(case)
 
 
-# --------------------------------------------------------------------------- the check in the message
+# ---------------------------------------------------------------- the check in the first message
 
 
 def _mismatch_then_recover():
@@ -424,3 +424,36 @@ def test_a_shape_that_changes_between_calls_is_an_error_on_every_rank(world):
         assert all(m is not None and "ranks passed different" in m for m in messages), messages
         assert f"rank {world - 1}: (11,)" in messages[0]
         assert "(wire torch.bfloat16)" in messages[3]
+
+
+# --------------------------------------------------------------------------- algorithm="auto"
+
+
+def _auto_against_its_choice():
+    """auto's result is bit for bit that of the algorithm it names, on both sides of the
+    threshold, with lengths the world size does not divide."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for numel in (5, 1001, C.AUTO_RING_FROM_BYTES // 4 + 3):
+        inputs = [_input(r, numel, torch.float32, "SUM") for r in range(world)]
+        _, scale = _reference(inputs, "SUM")
+        ours, named, theirs = (inputs[rank].clone() for _ in range(3))
+        C.all_reduce(ours, algorithm="auto")
+        chosen = C.choose_all_reduce(numel * 4, world) if world > 1 else "ring"
+        C.all_reduce(named, algorithm=chosen)
+        dist.all_reduce(theirs)
+        out.append((chosen, torch.equal(ours, named), _close(ours, theirs, scale, world, slack=2)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_auto_is_the_algorithm_it_chooses_and_agrees_with_torch(world):
+    for rank_result in run(_auto_against_its_choice, world, timeout=120):
+        assert all(same and close for _, same, close in rank_result), rank_result
+
+
+def test_auto_chooses_by_size_and_world_size():
+    big, small = C.AUTO_RING_FROM_BYTES, C.AUTO_RING_FROM_BYTES - 1
+    assert [C.choose_all_reduce(n, 4) for n in (small, big)] == ["recursive_doubling", "ring"]
+    assert C.choose_all_reduce(big, 3) == "ring"
+    assert C.choose_all_reduce(64 << 20, 2) == "recursive_doubling"  # p = 2: the same bytes

@@ -36,7 +36,7 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
     # On the CPU, chapter 4's shared-memory transport, and one core's copy of the same bytes:
     # what memory alone allows, a ceiling for any transport between ranks on one host.
     extra = ["shm", "memcpy"] if dev.type == "cpu" else []
-    contenders = [*collectives.ALGORITHMS, *extra, "torch"]
+    contenders = [*collectives.ALGORITHMS, "auto", *extra, "torch"]
     records = []
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)

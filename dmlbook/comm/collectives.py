@@ -42,11 +42,13 @@ from dmlbook.comm import shm, trace
 from dmlbook.comm.algorithms import (
     _ALL_REDUCE,
     ALGORITHMS,
+    AUTO_RING_FROM_BYTES,
     _ring_all_gather,
     _ring_all_reduce,
     _ring_reduce_scatter,
     _tree_broadcast,
     _tree_reduce,
+    choose_all_reduce,
     chunk_holdings,
 )
 
@@ -66,6 +68,8 @@ from dmlbook.comm.trace import Send
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO_RING_FROM_BYTES",
+    "choose_all_reduce",
     "Send",
     "all_gather",
     "all_reduce",
@@ -108,7 +112,10 @@ def all_reduce(
 ) -> None:
     """Reduce ``tensor`` over the ranks of ``group`` with ``op``; every rank gets the result.
 
-    ``transfer_dtype`` (ring only, a floating tensor): send chunks in that dtype, e.g.
+    ``algorithm="auto"`` chooses by size, as production libraries do: recursive doubling for
+    small tensors, the ring for large ones (:func:`~dmlbook.comm.algorithms.choose_all_reduce`,
+    whose threshold chapter 4 measures). ``transfer_dtype`` (ring only, a floating tensor;
+    with "auto", the ring): send chunks in that dtype, e.g.
     ``torch.bfloat16``, and add them up in ``tensor``'s own precision. ``algorithm="shm"``
     sends no message at all: ranks on one host meet in shared memory (:mod:`dmlbook.comm.shm`,
     chapter 4), and its size check is free.
@@ -117,8 +124,10 @@ def all_reduce(
         return shm.all_reduce(tensor, op, group)
     _check_tensor(tensor)
     _check_op(op, tensor.dtype)
-    if algorithm not in _ALL_REDUCE:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS} or 'shm', got {algorithm!r}")
+    if algorithm not in _ALL_REDUCE and algorithm != "auto":
+        raise ValueError(
+            f"algorithm must be one of {ALGORITHMS}, 'auto' or 'shm', got {algorithm!r}"
+        )
     if transfer_dtype is not None:
         _check_transfer_dtype(transfer_dtype, tensor.dtype, op, algorithm)
     comm = _Comm(group, "all_reduce")
@@ -126,6 +135,9 @@ def all_reduce(
         return
     if comm.size == 1:
         return
+    if algorithm == "auto":  # by size, as NCCL and gloo choose (chapter 4)
+        nbytes = tensor.numel() * tensor.element_size()
+        algorithm = "ring" if transfer_dtype else choose_all_reduce(nbytes, comm.size)
     # The ring carries the check in its first message; the others send it alone first.
     inline = check and algorithm == "ring" and tensor.numel() > 0
     if check and not inline:
@@ -144,7 +156,7 @@ def all_reduce(
 
 
 def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: str) -> None:
-    if algorithm != "ring":
+    if algorithm not in ("ring", "auto"):
         raise ValueError(f"transfer_dtype is a ring option; algorithm={algorithm!r} sends as is")
     if not (wire.is_floating_point and dtype.is_floating_point) or wire not in _DTYPES:
         raise TypeError(f"transfer_dtype={wire} for a {dtype} tensor: both must be floating")
