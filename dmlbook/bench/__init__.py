@@ -5,7 +5,8 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
                                              # 200 launches at world size 4 (median, p95, > 1 s),
                                              # a Ranks session's start, memory (PSS) per learner
     python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run
-    python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
+    python -m dmlbook.bench data-parallel    # average_gradients (flat) and the per-parameter
+                                             # baseline vs torch DDP, time per step
     python -m dmlbook.bench ddp --world-size 2 --json out.json
                                              # BucketedDDP and NaiveDDP vs torch DDP, per step
     python -m dmlbook.bench allreduce --world-size 2 --sizes 64KiB,1MiB,16MiB,64MiB --json out.json
@@ -23,8 +24,10 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
                                              # the CUDA allocator (needs a GPU)
     python -m dmlbook.bench gpu-check        # `make gpu-check`: gpu tests, chapter 8 and the
                                              # GPU benchmarks on one GPU, one table at the end
-    python -m dmlbook.bench all              # every benchmark above but gpu-check (gpu only
-                                             # where CUDA is present)
+    python -m dmlbook.bench all --json out.json
+                                             # every benchmark above but gpu-check (gpu only
+                                             # where CUDA is present); the file holds every
+                                             # record, each tagged with its bench
 
 Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
 These are measurements, never assertions: the tests check correctness only. Take timing claims
