@@ -394,24 +394,31 @@ def _mismatch_then_recover():
 
     rank, world = dist.get_rank(), dist.get_world_size()
     errors = []
+    big = C.AUTO_RING_FROM_BYTES // 4
     cases = [  # (the equal length, this rank's length, transfer dtype, inline limit in bytes)
         (10, 10 + (rank == world - 1), None, 1 << 20),  # the first slice behind the header
         (3000, 3000 - (rank == 0), None, 1024),  # 3-6 KiB slices: sent apart from the header
         (7, 0 if rank == 1 else 7, None, 1 << 20),  # an empty tensor on one rank
         (9, 9, torch.bfloat16 if rank == 0 else None, 1 << 20),  # transfer dtype on one rank
+        # at auto's threshold: from 3 ranks, rank 0 starts recursive doubling, the others the
+        # ring; its whole tensor (2 MiB) goes apart from the header
+        (big, big - (rank == 0), None, 1 << 20),
     ]
-    for same, n, wire, limit in cases:
-        shapecheck.INLINE_BYTES = limit
-        ok = torch.full((same,), float(rank))
-        C.all_reduce(ok)  # an equal call first: the same shape was fine just before
-        try:
-            C.all_reduce(torch.ones(n), transfer_dtype=wire)
-            errors.append(None)
-        except ValueError as e:
-            errors.append(str(e))
-        after = torch.full((same,), float(rank + 1))
-        C.all_reduce(after)
-        errors.append(after.tolist() == [world * (world + 1) / 2] * same)
+    # each case under the ring, recursive doubling, and auto (ranks may then start differently)
+    for algorithm in ("ring", "recursive_doubling", "auto"):
+        for same, n, wire, limit in cases:
+            shapecheck.INLINE_BYTES = limit
+            ok = torch.full((same,), float(rank))
+            C.all_reduce(ok, algorithm=algorithm)  # an equal call first
+            chosen = "ring" if wire is not None else algorithm
+            try:
+                C.all_reduce(torch.ones(n), transfer_dtype=wire, algorithm=chosen)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+            after = torch.full((same,), float(rank + 1))
+            C.all_reduce(after, algorithm=algorithm)
+            errors.append(after.tolist() == [world * (world + 1) / 2] * same)
     return errors
 
 
@@ -420,10 +427,10 @@ def _mismatch_then_recover():
 def test_a_shape_that_changes_between_calls_is_an_error_on_every_rank(world):
     for rank, errors in enumerate(run(_mismatch_then_recover, world, timeout=90)):
         messages, recovered = errors[0::2], errors[1::2]
-        assert recovered == [True] * 4, (rank, errors)
+        assert recovered == [True] * 15, (rank, errors)
         assert all(m is not None and "ranks passed different" in m for m in messages), messages
-        assert f"rank {world - 1}: (11,)" in messages[0]
-        assert "(wire torch.bfloat16)" in messages[3]
+        assert all(f"rank {world - 1}: (11,)" in m for m in messages[0::5])
+        assert all("(wire torch.bfloat16)" in m for m in messages[3::5])
 
 
 # --------------------------------------------------------------------------- algorithm="auto"

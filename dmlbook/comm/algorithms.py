@@ -245,18 +245,40 @@ def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozens
 # ---------------------------------------------------------------- recursive doubling and naive
 
 
-def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
+def _recursive_doubling_all_reduce(
+    comm: _Comm, flat: torch.Tensor, op, check: ShapeCheck | None = None
+) -> None:
     """Pairwise exchange of the whole tensor with the rank 2^k away, for k = 0, 1, ...
 
     With p not a power of two, the first 2r ranks (r = p minus the largest power of two below it)
     pair up: each even one hands its data to the odd one above it, sits out the exchange rounds,
-    and receives the result at the end.
+    and receives the result at the end. With ``check`` and p a power of two, the first exchange
+    carries the shape check's header (:mod:`dmlbook.comm.shapecheck`); otherwise the header goes
+    alone first.
     """
     size, rank = comm.size, comm.rank
     pow2 = 1 << (size.bit_length() - 1)
     extra = size - pow2
     incoming = _scratch(flat.numel(), flat)
-    step = 0
+    step, mask = 0, 1
+    if check is not None and extra == 0:  # round one: header + tensor, one message each way
+        partner = rank ^ 1
+        check.post_receives()
+        inline = fits_inline(flat.numel() * flat.element_size())
+        check.pair_start(partner, flat if inline else None)
+        if not inline:
+            comm.isend(flat, partner, 1, "exchange")
+        got = check.verify()  # a mismatch raises here, on every rank
+        if got is None:
+            comm.recv(incoming, partner, 1)
+            got = incoming
+        else:
+            got = got[: flat.numel() * flat.element_size()].view(flat.dtype)
+        comm.wait_all()
+        _combine(flat, got, op)
+        mask = 2
+    elif check is not None:
+        check.exchange()
     if rank < 2 * extra:
         if rank % 2 == 0:  # hand over, wait for the answer
             comm.isend(flat, rank + 1, step, "fold in")
@@ -268,12 +290,11 @@ def _recursive_doubling_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
         virtual = rank // 2
     else:
         virtual = rank - extra
-    step = 1
+    step = mask.bit_length()  # 1 for the first exchange round, 2 once round one is done
 
     def real(v: int) -> int:
         return 2 * v + 1 if v < extra else v + extra
 
-    mask = 1
     while mask < pow2:
         partner = real(virtual ^ mask)
         work = comm.irecv(incoming, partner, step)

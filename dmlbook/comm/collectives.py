@@ -43,6 +43,7 @@ from dmlbook.comm.algorithms import (
     _ALL_REDUCE,
     ALGORITHMS,
     AUTO_RING_FROM_BYTES,
+    _recursive_doubling_all_reduce,
     _ring_all_gather,
     _ring_all_reduce,
     _ring_reduce_scatter,
@@ -138,17 +139,20 @@ def all_reduce(
     if algorithm == "auto":  # by size, as NCCL and gloo choose (chapter 4)
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = "ring" if transfer_dtype else choose_all_reduce(nbytes, comm.size)
-    # The ring carries the check in its first message; the others send it alone first.
-    inline = check and algorithm == "ring" and tensor.numel() > 0
-    if check and not inline:
+    # The ring and recursive doubling carry the check in their first message; the others send
+    # it alone first.
+    carried = check and algorithm in ("ring", "recursive_doubling") and tensor.numel() > 0
+    if check and not carried:
         _check_same_shape(comm, tensor, "tensor shapes or dtypes")
     if tensor.numel() == 0:
         return
     flat = _flat(tensor)
+    what = "tensor shapes or dtypes"
+    shapes = ShapeCheck(comm, tensor, what, transfer_dtype) if carried else None
     if algorithm == "ring":
-        what = "tensor shapes or dtypes"
-        shapes = ShapeCheck(comm, tensor, what, transfer_dtype) if inline else None
         _ring_all_reduce(comm, flat, op, transfer_dtype, shapes)
+    elif algorithm == "recursive_doubling":
+        _recursive_doubling_all_reduce(comm, flat, op, shapes)
     else:
         _ALL_REDUCE[algorithm](comm, flat, op)
     _finish_avg(flat, op, comm.size)

@@ -8,14 +8,16 @@ integers (dims, dtype, wire dtype, numel, shape). A mismatch becomes the same Va
 rank, naming the ranks that disagree.
 
 Where the header travels matters more than its size. On loopback here one more message costs
-about as much as a 32 KiB one (0.1-0.15 ms, mostly the two processes waking up), so a separate
-round of header messages made the ring 1.9x gloo's time at 64 KiB. The ring therefore sends its
-header *inside its first message*: its first slice travels behind the header in one buffer, and
-the other ranks get the header alone on other sockets, in parallel. The receiver posts a buffer
-big enough for any first message (the header plus ``INLINE_BYTES``): gloo accepts a message
-shorter than the buffer, never a longer one. Only after the headers agree does a rank post the
-receives sized from its own tensor. When they disagree, each rank first receives ("drains") what
-its left neighbour had already sent, sized from that neighbour's header, so nothing is left on
+about as much as a 32 KiB one (0.1-0.2 ms on a busy 2-core machine, mostly the two processes
+waking up), so a separate round of header messages cost recursive doubling 1.8x its time at
+64 KiB. The ring and recursive doubling therefore send the header *inside their first message*:
+the ring's first slice (or recursive doubling's whole tensor, at a power-of-two world size)
+travels behind the header in one buffer, and the other ranks get the header alone, in parallel.
+Every receiver posts a buffer big enough for any first message (the header plus
+``INLINE_BYTES``): gloo accepts a message shorter than the buffer, and aborts the process on a
+longer one. Only after the headers agree does a rank post the receives sized from its own
+tensor. When they disagree, each rank first receives ("drains") what any peer had already sent
+it, sized from that peer's header (which also says how the peer started), so nothing is left on
 the wire, then raises.
 
 Other collectives send the header alone (:meth:`ShapeCheck.exchange`): one message to every
@@ -38,7 +40,10 @@ INLINE_BYTES = 1 << 20  # a ring's first slice up to this size travels behind th
 TAG = 1 << 20  # the first message's tag, clear of the algorithms' step numbers
 # dims, dtype, wire dtype, numel, how the ring started (below), then the shape
 _WORDS = 5 + MAX_DIMS
-NO_RING, RING_INLINE, RING_APART = 0, 1, 2  # the ring's first slice: none, behind the header, apart
+# How a rank started, so that a peer can drain what it sent: nothing yet (the header alone), a
+# ring's first slice to its right neighbour, or recursive doubling's whole tensor to its partner
+# (rank ^ 1), each behind the header (INLINE) or in messages of its own (APART).
+NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART = range(5)
 HEADER_BYTES = 8 * _WORDS
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
@@ -56,7 +61,7 @@ class ShapeCheck:
         self.comm, self.what, self.device = comm, what, tensor.device
         wire = wire or tensor.dtype
         self.rows = np.zeros((comm.size, _WORDS), dtype=np.int64)  # row r: rank r's header
-        mine = (tensor.dim(), _CODE[tensor.dtype], _CODE[wire], tensor.numel(), NO_RING)
+        mine = (tensor.dim(), _CODE[tensor.dtype], _CODE[wire], tensor.numel(), NONE)
         self.rows[comm.rank, : 5 + tensor.dim()] = (*mine, *tensor.shape)
         self.inbox: list[tuple[int, torch.Tensor, object]] = []
         # Only gloo takes a message shorter than the buffer posted for it (NCCL needs equal
@@ -66,16 +71,19 @@ class ShapeCheck:
     # ------------------------------------------------------------------ sending and receiving
 
     def post_receives(self) -> None:
-        """Receive every peer's first message; the left neighbour's may carry a ring slice."""
-        comm, left = self.comm, (self.comm.rank - 1) % self.comm.size
+        """Receive every peer's first message, in a buffer that fits data behind the header
+        (whichever way the peer started: on a mismatch, ranks may have started differently)."""
+        comm = self.comm
         for peer in range(comm.size):
             if peer != comm.rank:
-                extra = INLINE_BYTES if peer == left and self.can_inline else 0
+                extra = INLINE_BYTES if self.can_inline else 0
                 buf = _buffer(("in", peer), HEADER_BYTES + extra, self.device)
                 work = dist.irecv(buf, group=comm.group, group_src=peer, tag=TAG)
                 self.inbox.append((peer, buf, work))
 
-    def send(self, peer: int, data: torch.Tensor | None = None, chunk=None) -> None:
+    def send(
+        self, peer: int, data: torch.Tensor | None = None, chunk=None, step=0, phase=""
+    ) -> None:
         """This rank's header to ``peer``, with ``data`` (a ring's first slice) behind it."""
         header = torch.from_numpy(self.rows[self.comm.rank].copy()).view(torch.uint8)
         if data is None:
@@ -85,7 +93,7 @@ class ShapeCheck:
             message = _buffer(("out", peer), HEADER_BYTES + raw.numel(), self.device)
             message[:HEADER_BYTES].copy_(header)
             message[HEADER_BYTES:].copy_(raw)
-            self.comm.record(data, peer, 0, "reduce-scatter", chunk)
+            self.comm.record(data, peer, step, phase, chunk)
         work = dist.isend(message, group=self.comm.group, group_dst=peer, tag=TAG)
         self.comm.pending.append(work)
         self.comm.in_flight.append(message)
@@ -94,12 +102,20 @@ class ShapeCheck:
         """A ring's first message: the header with ``first`` (its first slice, already in the
         wire dtype) behind it to ``right``, or alone when ``first`` is None; the header alone to
         every other peer."""
+        self._start(RING_INLINE, RING_APART, right, first, chunk, 0, "reduce-scatter")
+
+    def pair_start(self, partner: int, data: torch.Tensor | None) -> None:
+        """Recursive doubling's first message: the header with the whole tensor behind it to
+        ``partner`` (or alone when ``data`` is None); the header alone to the others."""
+        self._start(PAIR_INLINE, PAIR_APART, partner, data, None, 1, "exchange")
+
+    def _start(self, inline, apart, target, data, chunk, step, phase) -> None:
         if not self.can_inline:
-            first = None
-        self.rows[self.comm.rank, 4] = RING_APART if first is None else RING_INLINE
+            data = None
+        self.rows[self.comm.rank, 4] = apart if data is None else inline
         for peer in range(self.comm.size):
             if peer != self.comm.rank:
-                self.send(peer, first if peer == right else None, chunk)
+                self.send(peer, data if peer == target else None, chunk, step, phase)
 
     def exchange(self) -> None:
         """The header alone, to and from every peer at once; then :meth:`verify`."""
@@ -110,24 +126,35 @@ class ShapeCheck:
         self.verify()
 
     def verify(self) -> torch.Tensor | None:
-        """Wait for every header; raise on a mismatch. Returns the bytes the left neighbour sent
-        behind its header (a ring's first slice), or None."""
-        comm, left = self.comm, (self.comm.rank - 1) % self.comm.size
+        """Wait for every header; raise on a mismatch. Returns the bytes a peer sent this rank
+        behind its header (a ring's first slice, a partner's tensor), or None."""
+        comm = self.comm
         inline = None
         for peer, buf, work in self.inbox:
             work.wait()
             self.rows[peer] = buf[:HEADER_BYTES].cpu().numpy().view(np.int64)
-            if peer == left and self.rows[peer, 4] == RING_INLINE:
+            if self._target(peer) == comm.rank and self.rows[peer, 4] in (RING_INLINE, PAIR_INLINE):
                 inline = buf[HEADER_BYTES:]
-        # dims, dtype, wire, numel and shape agree (column 4 says only how the ring started)
+        # dims, dtype, wire, numel and shape agree (column 4 says only how a rank started)
         same = (self.rows[:, :4] == self.rows[0, :4]).all() and (
             self.rows[:, 5:] == self.rows[0, 5:]
         ).all()
         if not same:
-            self._drain(left)
-            comm.wait_all()  # our own messages have been drained by our right neighbour
+            for peer in range(comm.size):
+                if peer != comm.rank and self._target(peer) == comm.rank:
+                    self._drain(peer)
+            comm.wait_all()  # our own messages have been drained by the peers they went to
             raise ValueError(f"{comm.collective}: ranks passed different {self.what} ({self})")
         return inline
+
+    def _target(self, peer: int) -> int | None:
+        """The rank ``peer`` sent data to before the check (None: nobody)."""
+        start = self.rows[peer, 4]
+        if start in (RING_INLINE, RING_APART):
+            return (peer + 1) % self.comm.size
+        if start in (PAIR_INLINE, PAIR_APART):
+            return peer ^ 1
+        return None
 
     def __str__(self) -> str:
         def one(r: int) -> str:
@@ -140,16 +167,18 @@ class ShapeCheck:
 
     # ------------------------------------------------------------------ a mismatch
 
-    def _drain(self, left: int) -> None:
-        """Receive the ring slices ``left`` sent before it knew of the mismatch, sized from its
-        header (the same rule :func:`ring_first_slices` applies on the sender)."""
-        dims, dtype, wire, numel, ring = (int(x) for x in self.rows[left, :5])
-        if ring == NO_RING:
-            return
-        sizes = ring_first_slices(numel, self.comm.size, left, _DTYPES[dtype].itemsize)
-        for a, b in sizes[1 if ring == RING_INLINE else 0 :]:  # the inline one has come
-            junk = torch.empty(b - a, dtype=_DTYPES[wire], device=self.device)
-            self.comm.recv(junk, left, 0)
+    def _drain(self, peer: int) -> None:
+        """Receive what ``peer`` sent this rank before it knew of the mismatch, sized from its
+        header: the rest of a ring's first chunk (the rule :func:`ring_first_slices` applies on
+        the sender), or a partner's whole tensor."""
+        dims, dtype, wire, numel, start = (int(x) for x in self.rows[peer, :5])
+        if start == PAIR_APART:
+            self.comm.recv(torch.empty(numel, dtype=_DTYPES[wire], device=self.device), peer, 1)
+        elif start in (RING_INLINE, RING_APART):
+            sizes = ring_first_slices(numel, self.comm.size, peer, _DTYPES[dtype].itemsize)
+            for a, b in sizes[1 if start == RING_INLINE else 0 :]:  # the inline one has come
+                junk = torch.empty(b - a, dtype=_DTYPES[wire], device=self.device)
+                self.comm.recv(junk, peer, 0)
 
 
 def ring_first_slices(numel: int, size: int, rank: int, element_size: int):
