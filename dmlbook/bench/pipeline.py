@@ -81,15 +81,16 @@ def _pipeline_step_times(
                 out[case]["torch"].append(torch_s)
                 out[case]["timelines"].append(result.timeline)
                 out[case]["wait"].append(result.wait_s)
-    out["message_s"] = {m: _one_message_s(batch // m, width, dev) for _, m in cases}
+    out["message_s"] = {m: one_message_s(batch // m, width, dev) for _, m in cases}
     return out
 
 
-def _one_message_s(rows: int, width: int, dev, repeats: int = 20) -> float:
-    """Median one-way time of one activation (rows x width float32) between stages 0 and 1,
-    from ping-pongs timed in the same run: what each message of the pipeline costs here."""
+def one_message_s(rows: int, width: int, dev=None, repeats: int = 20) -> float:
+    """On stages 0 and 1 of a launch (chapter 6 runs it beside its pipeline): the median
+    one-way time of one activation (rows x width float32) between them, from ping-pongs timed
+    in the same run: what each message of the pipeline costs here."""
     rank = dist.get_rank()
-    buf = torch.zeros(rows, width, device=dev)
+    buf = torch.zeros(rows, width, device=dev or device())
     times = []
     for _ in range(repeats):
         dist.barrier()
