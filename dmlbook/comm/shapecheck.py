@@ -67,6 +67,9 @@ class ShapeCheck:
         # Only gloo takes a message shorter than the buffer posted for it (NCCL needs equal
         # sizes): on other devices the header always travels alone, in a buffer of its size.
         self.can_inline = tensor.device.type == "cpu"
+        # This plumbing speaks to the process group itself, in group ranks: ``dist.isend``'s
+        # argument checks cost as much as a small message's copy, on every call.
+        self.pg = comm.group if comm.group is not None else dist.group.WORLD
 
     # ------------------------------------------------------------------ sending and receiving
 
@@ -78,24 +81,22 @@ class ShapeCheck:
             if peer != comm.rank:
                 extra = INLINE_BYTES if self.can_inline else 0
                 buf = _buffer(("in", peer), HEADER_BYTES + extra, self.device)
-                work = dist.irecv(buf, group=comm.group, group_src=peer, tag=TAG)
-                self.inbox.append((peer, buf, work))
+                self.inbox.append((peer, buf, self.pg.recv([buf], peer, TAG)))
 
     def send(
         self, peer: int, data: torch.Tensor | None = None, chunk=None, step=0, phase=""
     ) -> None:
         """This rank's header to ``peer``, with ``data`` (a ring's first slice) behind it."""
-        header = torch.from_numpy(self.rows[self.comm.rank].copy()).view(torch.uint8)
+        header = self.rows[self.comm.rank].view(np.uint8)
         if data is None:
-            message = header.to(self.device)
-        else:  # one buffer: [header | slice]
+            message = torch.from_numpy(header.copy()).to(self.device)
+        else:  # one buffer on the host: [header | slice]
             raw = data.reshape(-1).view(torch.uint8)
-            message = _buffer(("out", peer), HEADER_BYTES + raw.numel(), self.device)
-            message[:HEADER_BYTES].copy_(header)
+            message = _buffer(("out", peer), HEADER_BYTES + raw.numel(), "cpu")
+            message.numpy()[:HEADER_BYTES] = header
             message[HEADER_BYTES:].copy_(raw)
             self.comm.record(data, peer, step, phase, chunk)
-        work = dist.isend(message, group=self.comm.group, group_dst=peer, tag=TAG)
-        self.comm.pending.append(work)
+        self.comm.pending.append(self.pg.send([message], peer, TAG))
         self.comm.in_flight.append(message)
 
     def ring_start(self, right: int, first: torch.Tensor | None, chunk: int) -> None:
