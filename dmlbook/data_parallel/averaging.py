@@ -57,6 +57,8 @@ def average_gradients(
     params = model.parameters() if isinstance(model, nn.Module) else model
     grads = [p.grad for p in params if p.grad is not None]
     divide_by = world if divide_by is None else divide_by
+    if world == 1 and divide_by == 1:
+        return  # alone, and nothing to divide
     for dtype in dict.fromkeys(g.dtype for g in grads):  # one buffer per dtype, in order
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])  # (sum of numel,)
