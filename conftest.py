@@ -1,4 +1,11 @@
-"""``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
+"""The suite's order, and ``--busy N``.
+
+Order: under pytest-xdist (``make test`` runs two workers, a file or a notebook per worker at a
+time) the longest runs must start first, or one of them ends the run alone on one worker. So
+``slow``-marked tests go first, then the notebooks, then the other test files, each group in its
+collection order; ``make test`` turns off xdist's own reordering (``--no-loadscope-reorder``).
+
+``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
 a shared classroom server is. N processes spin on the CPU from the session's start to its end;
 the timing claims of the chapters and tests must still hold (or be shown, not asserted).
 
@@ -78,6 +85,15 @@ class BusyLoad:
         return line
 
 
+def pytest_collection_modifyitems(items):
+    def group(item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if item.path.suffix == ".ipynb" else 2
+
+    items.sort(key=group)  # stable: a notebook's cells keep their order
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--busy",
@@ -89,7 +105,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config._busy = BusyLoad(max(0, config.getoption("busy")))
+    # Under pytest-xdist the load is the controller's alone: its workers (which have a
+    # ``workerinput``) spin none of their own, so ``--busy 2`` means two spinners in all.
+    worker = hasattr(config, "workerinput")
+    config._busy = BusyLoad(0 if worker else max(0, config.getoption("busy")))
 
 
 def pytest_sessionstart(session):

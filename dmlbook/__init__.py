@@ -4,12 +4,15 @@ The package follows the book's sections; every module's docstring names the chap
 teaches it.
 
 * the runtime: ``launch`` runs a rank function on N processes, or in place under torchrun
-  (every chapter); ``netlab`` makes several hosts on one machine (chapters 3, 4, 11, 13);
-  ``owners`` tells a crashed run's leftovers by their dead owner (pid, start time, host)
-* ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group, the block
-  of a size it owns), ``trace`` (recording traffic), ``collectives`` (every collective from
-  send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in ``p2p``),
-  ``costmodel`` (alpha-beta), ``compression`` and ``shm`` (shared memory, chapter 4),
+  (every chapter), and is the public face of ``runtime`` (the warm helper, rank processes,
+  persistent ranks and the ``%%ranks`` magic, over two leaves: ``runtime.errors`` and the wire
+  protocol ``runtime.protocol``; no import circle); ``netlab`` makes several hosts on one
+  machine (chapters 3, 4, 11, 13); ``owners`` tells a crashed run's leftovers by their dead
+  owner (pid, start time, host)
+* ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group and its
+  device, the block of a size it owns), ``trace`` (recording traffic), ``collectives`` (every
+  collective from send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in
+  ``p2p``), ``costmodel`` (alpha-beta), ``compression`` and ``shm`` (shared memory, chapter 4),
   ``alltoall`` (chapter 13)
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
   scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
@@ -21,29 +24,30 @@ teaches it.
   (``tensor_parallel_comm``, ``vocab_parallel``), ``parallelize``, ``mesh``, ``zero``,
   ``sharded_optimizer``, ``federated``, ``elastic``, ``speedups``; chapter 13's
   ``sequence_parallel``, ``context_parallel``, ``moe``, ``expert_parallel``
-* shared pieces: ``datasets``, ``models``, ``optim``, ``viz``, ``notebook`` (helpers chapters
-  repeat), ``cpu_wait`` (did each rank have a core while it was timed? chapters 7 and 12),
+* shared pieces: ``datasets``, ``models``, ``optim``, ``viz`` (the plots, a module per topic),
+  ``notebook`` (helpers chapters repeat), ``cpu_wait`` (did each rank have a core while it was
+  timed? chapters 7 and 12),
   ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
   (``python -m dmlbook.bench``: each implementation against torch's own; ``make gpu-check``),
   ``book`` (the chapters, data and scripts in the installed package;
   ``python -m dmlbook.book copy DIR``)
-* ranks that live across notebook cells: ``ranks`` (``Ranks``, also ``dmlbook.launch.Ranks``) and
-  the IPython extension ``%load_ext dmlbook`` (``magic``: ``%ranks`` and ``%%ranks``, chapters 2
-  and 9)
+* ranks that live across notebook cells: ``dmlbook.launch.Ranks`` (``runtime.session``, also
+  ``dmlbook.ranks.Ranks``) and the IPython extension ``%load_ext dmlbook`` (``runtime.magic``:
+  ``%ranks`` and ``%%ranks``, chapters 2 and 9)
 """
 
 __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (:mod:`dmlbook.magic`)."""
-    from dmlbook.magic import load_ipython_extension as load  # imports torch: only when asked
+    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (``dmlbook.runtime.magic``)."""
+    from dmlbook.runtime.magic import load_ipython_extension as load  # imports torch: on demand
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext dmlbook``: stop the ranks the magics started."""
-    from dmlbook.magic import unload_ipython_extension as unload
+    from dmlbook.runtime.magic import unload_ipython_extension as unload
 
     unload(ipython)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.comm.groups import barrier, group_rank_size
-from dmlbook.launch import device as rank_device
+from dmlbook.comm.groups import device as rank_device
 
 __all__ = ["cores_are_free", "cpu_wait_in_burst", "cpu_wait_s"]
 

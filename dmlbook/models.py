@@ -11,21 +11,74 @@ Layers that later chapters split are exposed by name: ``MLP.layers`` and ``CNN.l
 ``c_attn`` / ``c_proj`` / ``c_fc`` linears that tensor parallelism shards. The factories ``mlp``,
 ``cnn`` and ``char_gpt`` build a model from a seed without touching the caller's RNG, so every rank
 of a distributed run can build the same initial weights. ``accuracy`` scores a classifier.
+
+The one model contract (every training loop, reference and parallel, goes through it): a
+:class:`Batch` is ``(inputs, targets)``, and :func:`batch_loss` is a model's loss on one. A model
+either brings its own loss (``model(inputs, targets)`` returns ``(outputs, loss)``, as
+``CharGPT`` does with :func:`next_token_loss`), or the caller names a ``loss_fn`` applied to
+``model(inputs)``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 M = TypeVar("M", bound=nn.Module)
+
+
+def _takes_targets(model: nn.Module) -> bool:
+    """Whether ``model(inputs, targets)`` is a valid call of its forward."""
+    try:
+        inspect.signature(model.forward).bind(None, None)
+    except TypeError:
+        return False
+    return True
+
+
+class Batch(NamedTuple):
+    """One batch of samples: what a model's forward takes and what its loss compares with."""
+
+    inputs: torch.Tensor  # (B, ...) e.g. (B, features) images or (B, T) token ids
+    targets: torch.Tensor  # (B,) class labels or (B, T) next tokens
+
+
+def next_token_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every prediction: classifier outputs ``(N, C)`` against ``(N,)``,
+    or language-model logits ``(B, T, V)`` against ``(B, T)`` (all ``B * T`` tokens): CharGPT's
+    loss, and that of a pipeline's last stage (chapters 6-9b)."""
+    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+
+
+def batch_loss(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable | None = None
+) -> torch.Tensor:
+    """``model``'s loss on ``batch = (inputs, targets)``: the one way every loop computes it.
+
+    Without ``loss_fn`` the model brings its own loss: ``model(inputs, targets)`` must return
+    ``(outputs, loss)`` (``CharGPT``; a tensor-parallel CharGPT computes it on split logits).
+    With ``loss_fn`` it is ``loss_fn(model(inputs), targets)``; a model that returns
+    ``(outputs, ...)`` has its outputs taken.
+    """
+    inputs, targets = batch
+    if loss_fn is None:
+        out = model(inputs, targets) if _takes_targets(model) else None
+        if not (isinstance(out, tuple) and len(out) == 2 and torch.is_tensor(out[1])):
+            raise TypeError(
+                f"{type(model).__name__}(inputs, targets) returned no (outputs, loss) pair: "
+                "pass a loss_fn, e.g. torch.nn.functional.cross_entropy"
+            )
+        return out[1]
+    out = model(inputs)
+    return loss_fn(out[0] if isinstance(out, tuple) else out, targets)
 
 
 class MLP(nn.Module):
@@ -149,6 +202,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
+class TokenCrossEntropy(nn.Module):
+    """Mean cross-entropy of logits ``(B, T, V)`` against targets ``(B, T)``: a char-GPT's
+    ``criterion``. A module, so that chapter 9's tensor-parallel plan can replace it by path
+    (:class:`~dmlbook.advanced.composition.plan.LossParallel`) as it replaces the layers."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(logits, targets)
+
+
 class CharGPT(nn.Module):
     """Character-level GPT: embeddings, ``n_layer`` ``Block``s, final LayerNorm, ``lm_head``.
 
@@ -166,6 +228,7 @@ class CharGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.criterion = TokenCrossEntropy()  # no parameters: the loss, by path, for plans
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) to keep the stream's variance.
         for name, p in self.named_parameters():
@@ -206,9 +269,10 @@ class CharGPT(nn.Module):
         return logits, self.loss(logits, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the ``B * T`` tokens (tensor parallelism replaces it with one
-        that takes vocabulary-split logits, :class:`dmlbook.advanced.parallelize.LossParallel`)."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        """Mean cross-entropy over the ``B * T`` tokens, :func:`next_token_loss`, by
+        ``self.criterion`` (tensor parallelism replaces it with one that takes vocabulary-split
+        logits, :class:`dmlbook.advanced.composition.plan.LossParallel`)."""
+        return self.criterion(logits, targets)
 
     @torch.no_grad()
     def generate(
@@ -275,17 +339,3 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Fraction of ``x`` that ``model`` classifies as ``y`` (every chapter that trains one)."""
     correct, total = count_correct(model, x, y)
     return correct / total
-
-
-def train_on_batches(model: nn.Module, batches, optimizer: torch.optim.Optimizer) -> list[float]:
-    """One process, one optimizer step per ``(idx, targets)`` batch of a model that returns
-    ``(logits, loss)`` (:class:`CharGPT`): the reference the char-GPT's parallel runs equal
-    (chapters 9 and 13). Returns the loss of every step."""
-    losses = []
-    for idx, targets in batches:
-        optimizer.zero_grad()
-        _, loss = model(idx, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses

@@ -6,15 +6,16 @@
         --rdzv-id job1 examples/composed_layouts.py --layouts dp2.tp2.pp2,dp8 --out times.json
 
 Rank 0 writes ``{layout: [seconds per step, ...]}``: each step's time on the slowest rank, after
-one warm-up step. The model is the char-GPT of ``dmlbook.advanced.planner.NETLAB_MODEL``.
+one warm-up step. The model is the char-GPT of
+``dmlbook.advanced.composition.planner.NETLAB_MODEL``.
 """
 
 import argparse
 import json
 import os
 
-from dmlbook.advanced.composed import time_layouts
-from dmlbook.advanced.planner import netlab_batches, netlab_model, parse_layout
+from dmlbook.advanced.composition.planner import netlab_batches, netlab_model, parse_layout
+from dmlbook.advanced.composition.training import time_layouts
 from dmlbook.launch import exit_now, run
 
 

@@ -29,7 +29,7 @@ def train() -> dict:
     x, y = load_digits("train")
     x_test, y_test = load_digits("test")
     model = models.mlp(seed=0).to(device())
-    dp.train(model, x.to(device()), y.to(device()), **SETTINGS)
+    dp.train(model, x.to(device()), y.to(device()), dp.TrainConfig(**SETTINGS))
     where = dict(
         rank=dist.get_rank(),
         node=int(os.environ.get("GROUP_RANK", 0)),  # torchrun's node rank

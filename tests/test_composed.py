@@ -12,10 +12,8 @@ import functools
 import pytest
 import torch
 
-from dmlbook.advanced.composed import train_composed, train_reference
-from dmlbook.advanced.layout import GROUP_NAMES, Layout
-from dmlbook.advanced.moe import moe_char_gpt
-from dmlbook.advanced.planner import (
+from dmlbook.advanced.composition.layout import GROUP_NAMES, Layout
+from dmlbook.advanced.composition.planner import (
     Network,
     Workload,
     layouts_of,
@@ -23,7 +21,10 @@ from dmlbook.advanced.planner import (
     predict_traffic,
     rank_layouts,
 )
+from dmlbook.advanced.composition.training import train_composed
+from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.comm.costmodel import Link
+from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import RankError, run
 from dmlbook.models import GPTConfig, char_gpt
 
@@ -108,6 +109,19 @@ def test_models_that_do_not_split_name_the_dimension(layout, seq, batch, experts
         layout.validate_model(config, seq, batch, microbatches=1, n_experts=experts)
 
 
+def test_zigzag_is_a_field_of_the_layout():
+    config = GPTConfig(vocab_size=VOCAB, **MODEL)
+    with pytest.raises(ValueError, match="cp: sequence length=6 is not divisible by 2 x cp=4"):
+        Layout(cp=2).validate_model(config, 6, 4)  # zigzag: 2 cp chunks
+    Layout(cp=2, zigzag=False).validate_model(config, 6, 4)  # contiguous: cp blocks
+    assert (
+        Layout(cp=2, zigzag=False) != Layout(cp=2)
+        and str(Layout(cp=2)) == "dp1 x tp1 x pp1 x cp2 x ep1"
+    )
+    with pytest.raises(ValueError, match="Layout.zigzag must be True or False, got 1"):
+        Layout(zigzag=1)
+
+
 # --------------------------------------------------------------------------- equal to one process
 
 LAYOUTS = {
@@ -121,7 +135,8 @@ LAYOUTS = {
 @functools.cache
 def composed(name: str):
     layout, make = LAYOUTS[name]
-    losses, state = train_reference(make, batches())
+    done = train_reference(make, batches(), optimizer=torch.optim.AdamW)  # one process
+    losses, state = done.losses, done.model.state_dict()
     results = run(train_composed, 8, make, batches(), layout, MICRO, 1e-2, state, True, timeout=240)
     return layout, make, losses, results
 

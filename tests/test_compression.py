@@ -159,7 +159,7 @@ def _with_ddp_and_loopback() -> dict:
         dist.all_reduce(big)
         dist.barrier()
     out["lo"] = None if before is None else int(LOOPBACK.read_text()) - before
-    out["tcp"] = wire.bytes
+    out["tcp"], out["retransmitted"] = wire.bytes, wire.retransmitted
     return out
 
 
@@ -181,9 +181,9 @@ def test_residual_starts_at_zero_and_follows_the_bucket_shape():
     assert state.residual(3, torch.ones(7)).shape == (7,)  # DDP rebuilt its buckets: start over
 
 
-def test_compare_schemes_rejects_unknown_names():
+def test_train_schemes_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown schemes"):
-        c.compare_schemes(schemes=["fp32", "int4"])
+        c.train_schemes(["fp32", "int4"])  # before it touches a process group
 
 
 def _assert_hook_checks(r: dict, world: int) -> None:
@@ -210,10 +210,12 @@ def test_hooks_at_world_size_2_and_torch_ddp():
         assert torch.equal(ddp["bf16"], ddp["torch bf16"])
         assert not torch.equal(ddp["fp16"], ddp["fp32"])  # the hooks really ran
         assert torch.equal(ddp["fp16"], results[0]["ddp"]["fp16"])  # ranks agree
-    # 2 ranks each sent 4 MB (ring all-reduce at W=2 sends n floats per rank), plus headers and,
-    # on a loaded machine, the odd retransmitted segment (one CI run under load 10 counted 8.13 MB)
+    # 2 ranks each sent 4 MB (ring all-reduce at W=2 sends n floats per rank), plus gloo's
+    # headers. Retransmissions are counted apart: under the suite's own load one run counted
+    # 8.43 MB with them in, against this bound (tcpi_bytes_sent includes them).
     tcp = sum(r["tcp"] for r in results)
-    assert 8e6 <= tcp < 8.25e6
+    print(f"payload {tcp / 1e6:.3f} MB, sent again {sum(r['retransmitted'] for r in results)} B")
+    assert 8e6 <= tcp < 8.1e6
     if results[0]["lo"] is not None:
         assert results[0]["lo"] >= 0.99 * tcp  # lo also counts IP/TCP headers and others' traffic
 
@@ -250,7 +252,7 @@ def test_hooks_on_gpu():
 
 @pytest.fixture(scope="module")
 def table():
-    return c.compare_schemes(world_size=2)
+    return c.compare_schemes(run(c.train_schemes, 2, backend="gloo", timeout=120))
 
 
 @pytest.mark.timeout(90)

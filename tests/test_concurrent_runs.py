@@ -65,6 +65,7 @@ def _watch(runs, records: Path):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
 @pytest.mark.timeout(900)
 def test_two_runs_of_chapters_4_and_13_at_once_both_pass(tmp_path, monkeypatch):

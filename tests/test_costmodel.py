@@ -7,6 +7,7 @@ import pytest
 
 from dmlbook.comm import costmodel as cm
 from dmlbook.comm.costmodel import ALGORITHMS, Link
+from dmlbook.launch import run
 
 N = 1200.0  # divisible by 2, 3, 4, 5 and 8, so ring's chunks are whole bytes
 LINK = Link(alpha=5e-6, beta=1e-9, gamma=2e-10)  # 5 us, 1 GB/s, reduction at 5 GB/s
@@ -272,10 +273,10 @@ def test_bad_arguments():
         Link(1e-6, math.nan)
     with pytest.raises(ValueError, match="gbit_per_s"):
         Link.from_bandwidth(1e-6, 0)
-    with pytest.raises(ValueError, match="world_size >= 2"):
-        cm.measure_point_to_point([1024], world_size=1)
     with pytest.raises(ValueError, match="size"):
-        cm.measure_point_to_point([0])
+        cm.ping_pong([0])  # checked before it touches a process group
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        cm.ping_pong([1024])  # outside a process group: a world of one
 
 
 # --------------------------------------------------------------------------- a real link
@@ -285,7 +286,8 @@ def test_bad_arguments():
 def test_measured_point_to_point_link_is_physical():
     """Real ranks over gloo: a loose sanity check of the measurement, not a timing assertion."""
     sizes = [1 << 10, 1 << 16, 1 << 22, 1 << 25]  # 1 KiB, 64 KiB, 4 MiB, 32 MiB
-    records = cm.measure_point_to_point(sizes, repeats=8)
+    records, others = run(cm.ping_pong, 2, sizes, repeats=8)
+    assert others == []  # rank 0 reports
     assert [r["bytes"] for r in records] == sizes
     times = [r["seconds"] for r in records]
     assert all(t > 0 for t in times)

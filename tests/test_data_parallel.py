@@ -50,17 +50,17 @@ def all_variants():
     x, y = _data()
     out = {}
     model = _model()
-    dp.train(model, x, y, sync=dp.GradientAveraging(), **SETTINGS)
+    dp.train(model, x, y, dp.TrainConfig(**SETTINGS), sync=dp.GradientAveraging())
     out["ours"] = _snapshot(model)
     out["ddp"] = _train_with_torch_ddp(x, y)
     model = _model()
-    dp.train(model, x, y, sync=dp.ModelAveraging(every=1), **SETTINGS)
+    dp.train(model, x, y, dp.TrainConfig(**SETTINGS), sync=dp.ModelAveraging(every=1))
     out["avg1"] = _snapshot(model)
     model, sync = _model(), dp.ModelAveraging(every=4)
-    dp.train(model, x, y, sync=sync, **SETTINGS)
+    dp.train(model, x, y, dp.TrainConfig(**SETTINGS), sync=sync)
     out["avg4"], out["avg4_rounds"] = _snapshot(model), sync.rounds
     try:
-        dp.train(_model(), x, y, global_batch=GLOBAL_BATCH + 1, lr=0.1)
+        dp.train(_model(), x, y, dp.TrainConfig(global_batch=GLOBAL_BATCH + 1, lr=0.1))
     except ValueError as e:
         out["indivisible"] = str(e)
     return out
@@ -70,7 +70,7 @@ def all_variants():
 def reference():
     x, y = _data()
     model = _model()
-    dp.train(model, x, y, **SETTINGS)  # no process group: plain single-process SGD
+    dp.train(model, x, y, dp.TrainConfig(**SETTINGS))  # no process group: plain single-process SGD
     return _snapshot(model)
 
 
@@ -109,9 +109,9 @@ def test_model_averaging_rejects_bad_period():
 def test_bad_global_batch_single_process():
     x, y = _data()
     with pytest.raises(ValueError, match="larger than"):
-        dp.train(_model(), x, y, global_batch=1000, lr=0.1)
+        dp.train(_model(), x, y, dp.TrainConfig(global_batch=1000, lr=0.1))
     with pytest.raises(ValueError, match="positive multiple"):
-        dp.train(_model(), x, y, global_batch=0, lr=0.1)
+        dp.train(_model(), x, y, dp.TrainConfig(global_batch=0, lr=0.1))
 
 
 def test_linear_scaling_rule():
@@ -139,7 +139,9 @@ def test_warmup_matches_torch_linear_lr():
 
 def test_lr_schedule_is_applied_per_step():
     x, y = _data()
-    history = dp.train(_model(), x, y, global_batch=24, lr=dp.warmup(0.4, 4), epochs=1)
+    history = dp.train(
+        _model(), x, y, dp.TrainConfig(global_batch=24, lr=dp.warmup(0.4, 4), epochs=1)
+    )
     assert history.lr[:5] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
     assert len(history.loss) == 10
 
@@ -149,7 +151,7 @@ def train_on_device():
 
     x, y = _data()
     model = _model().to(device())
-    dp.train(model, x.to(device()), y.to(device()), **SETTINGS)
+    dp.train(model, x.to(device()), y.to(device()), dp.TrainConfig(**SETTINGS))
     return {k: v.cpu() for k, v in _snapshot(model).items()}
 
 

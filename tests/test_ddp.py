@@ -181,7 +181,6 @@ def _train_settings():
         epochs=2,
         seed=5,
         momentum=MOMENTUM,
-        test=_test_set(),
         eval_every=3,
     )
 
@@ -257,11 +256,14 @@ def _on_rank():
     for impl, wrap in {"bucketed": dp.BucketedDDP, "naive": dp.NaiveDDP, "torch": TorchDDP}.items():
         model = MODELS["mlp"][0]()
         ddp = wrap(model)
-        history = dp.train(ddp, x, y, progress=impl == "bucketed", **_train_settings())
+        config = dp.TrainConfig(progress=impl == "bucketed", **_train_settings())
+        history = dp.train(ddp, x, y, config, test=_test_set())
         out["train", impl] = (_params(model), history)
         if impl == "bucketed":
             try:
-                dp.train(ddp, x, y, sync=dp.GradientAveraging(), global_batch=12, lr=0.1)
+                dp.train(
+                    ddp, x, y, dp.TrainConfig(global_batch=12, lr=0.1), sync=dp.GradientAveraging()
+                )
             except ValueError as e:
                 out["train", "sync error"] = str(e)
         del ddp
@@ -344,7 +346,7 @@ def single_process():
     ref["accuracy"] = dp.accuracy(build(), *_test_set())
     model = build()
     x, y = make_classification(10 * GLOBAL_BATCH, dim=12, classes=3, seed=3)
-    history = dp.train(model, x, y, **_train_settings())
+    history = dp.train(model, x, y, dp.TrainConfig(**_train_settings()), test=_test_set())
     ref["train"] = (_params(model), history)
     torch.set_num_threads(threads)
     return ref

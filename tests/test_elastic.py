@@ -113,7 +113,7 @@ def test_every_sample_once_per_epoch_across_the_resize():
 def test_accuracy_within_noise_of_an_uninterrupted_run():
     run_dir, _ = node_failure_job()
     (end,) = el.Timeline(run_dir).events("end")
-    reference, _ = el.train_reference(el.ElasticConfig(run_dir=str(run_dir)), world_size=2)
+    reference, _ = el.uninterrupted_run(el.ElasticConfig(run_dir=str(run_dir)), world_size=2)
     uninterrupted = accuracy(reference, *load_digits("test"))
     print(f"\naccuracy {end['accuracy']:.3f} after the failure, {uninterrupted:.3f} without")
     assert abs(end["accuracy"] - uninterrupted) < 0.03 and end["accuracy"] > 0.9
@@ -192,7 +192,8 @@ MEMBERS = [[1], [1, 2], [1, 2, 3], [2, 3], [3], [1, 3]] * 3  # join, join, leave
 
 def adaptive_ps():
     x, y = load_digits("train")
-    return ps.train(lambda: models.mlp(seed=0), x, y, members=MEMBERS, global_batch=60, lr=0.1)
+    config = ps.PSConfig(global_batch=60, lr=0.1)
+    return ps.train(lambda: models.mlp(seed=0), x, y, config, members=MEMBERS)
 
 
 def test_ps_workers_join_and_leave_and_sgd_stays_exact():

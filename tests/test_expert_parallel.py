@@ -14,7 +14,7 @@ from rank_checks import by_world, caught
 
 from dmlbook import viz
 from dmlbook.advanced import expert_parallel as ep
-from dmlbook.advanced import moe as moe_lib
+from dmlbook.advanced.expert_parallel import moe as moe_lib
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import RankError, run
 from dmlbook.models import GPTConfig

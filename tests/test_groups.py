@@ -1,6 +1,7 @@
 """dmlbook.comm.groups: a rank's place in a group, and the three ways a size is cut over ranks."""
 
 import pytest
+import torch
 
 from dmlbook.comm.groups import (
     balanced_blocks,
@@ -55,3 +56,48 @@ def test_bad_ranks_and_worlds_are_refused(fn):
         fn(6, rank=0, world_size=0)
     with pytest.raises(TypeError):
         fn(6, 0, 3)  # rank and world_size are keyword-only: they cannot be swapped
+
+
+def _rows_of_rank(_):
+    from dmlbook.comm.groups import local_rows
+    from dmlbook.models import Batch
+
+    batch = Batch(torch.arange(12).reshape(6, 2), torch.arange(6))
+    mine = local_rows(batch)
+    return (
+        type(mine).__name__,
+        mine.inputs.tolist(),
+        mine.targets.tolist(),
+        local_rows(torch.arange(6)).tolist(),
+    )
+
+
+def test_local_rows_give_each_rank_its_even_block_of_the_batch():
+    from dmlbook.comm.groups import local_rows
+    from dmlbook.launch import run
+    from dmlbook.models import Batch
+
+    whole = torch.arange(6)
+    assert torch.equal(local_rows(whole), whole)  # outside a process group: the whole batch
+    pair = local_rows((whole, whole + 1))
+    assert type(pair) is tuple and torch.equal(pair[1], whole + 1)
+    got = run(_rows_of_rank, 3, None)
+    assert [g[0] for g in got] == ["Batch"] * 3  # a named tuple keeps its type
+    assert [g[2] for g in got] == [[0, 1], [2, 3], [4, 5]]
+    assert [g[1] for g in got] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert [g[3] for g in got] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="parts of a batch must have as many rows"):
+        local_rows(Batch(whole, whole[:5]))
+
+
+def _rows_that_do_not_divide(_):
+    from dmlbook.comm.groups import local_rows
+
+    return local_rows(torch.arange(7))
+
+
+def test_local_rows_refuse_a_batch_that_does_not_divide():
+    from dmlbook.launch import RankError, run
+
+    with pytest.raises(RankError, match="batch rows=7 is not divisible by the 2 ranks"):
+        run(_rows_that_do_not_divide, 2, None)

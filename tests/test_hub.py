@@ -40,7 +40,7 @@ from hub import (  # noqa: E402
     start_hub,
 )
 
-pytestmark = pytest.mark.hub
+pytestmark = [pytest.mark.hub, pytest.mark.slow]
 
 CHAPTER = "09_hybrid_parallelism"
 ASSIGNMENT = "ch09"
@@ -210,7 +210,12 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
             time.sleep(0.2)
         assert not left, f"processes left after the hub's shutdown: {left}"
         kinds = " ".join(hub.sampler.seen.values())
-        for kind in ("configurable-http-proxy", "learner_server", "ipykernel", "dmlbook._zygote"):
+        for kind in (
+            "configurable-http-proxy",
+            "learner_server",
+            "ipykernel",
+            "dmlbook.runtime.zygote",
+        ):
             assert kind in kinds, f"the sampler never saw a {kind} process: {kinds[:2000]}"
         # The hub's, the proxy's and the servers' ports were on 127.0.0.1 only, and every port a
         # process of the run listened on is closed (the ranks' own are issue 23's item 4: shown)

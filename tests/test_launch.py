@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from processes import alive as _alive
 
-from dmlbook import _rank_group, _zygote, launch
+from dmlbook import launch
 from dmlbook.launch import RankError, RankTimeoutError, run
+from dmlbook.runtime import failures, rank_group, zygote
+from dmlbook.runtime import launch as runtime_launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +38,9 @@ def _record_pids(piddir: str) -> None:
 def _assert_no_orphans(piddir: Path, world_size: int) -> None:
     pids = [int(p) for f in piddir.glob("*.pids") for p in f.read_text().split()]
     assert len(pids) == 2 * world_size, "every rank should have recorded itself and its child"
-    deadline = time.monotonic() + 2.0
+    # The watchdogs poll every 0.5 s; on a busy machine (load 12-20 on 2 cores here) a rank took
+    # over 2 s to notice, on main as on this branch. Without orphans the wait ends at once.
+    deadline = time.monotonic() + 10.0
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if _alive(p)], "processes left behind after run() returned"
@@ -307,7 +311,7 @@ def test_killed_caller_takes_its_ranks_along(tmp_path):
     finally:
         caller.kill()
         caller.wait()
-    _assert_no_orphans(tmp_path, 2)  # waits up to 2 s for the ranks' watchdogs
+    _assert_no_orphans(tmp_path, 2)  # waits up to 10 s for the ranks' watchdogs
     assert list(launch_dirs.iterdir()) == []  # and they removed the launch folder
 
 
@@ -323,24 +327,24 @@ def _report(t, summary):
 
 def test_first_failure_is_the_earliest():
     # Rank 1 failed at t=3 but is classified second; order of discovery must not matter.
-    later = _rank_group.classify_failure(0, _report(5.0, "KeyError: 'x'"), 5.1, 1, [])
-    earlier = _rank_group.classify_failure(1, _report(3.0, "ValueError: bad"), 3.1, 1, [])
-    assert _rank_group.first_failure([later, earlier]).rank == 1
-    assert _rank_group.first_failure([earlier, later]).rank == 1
+    later = failures.classify_failure(0, _report(5.0, "KeyError: 'x'"), 5.1, 1, [])
+    earlier = failures.classify_failure(1, _report(3.0, "ValueError: bad"), 3.1, 1, [])
+    assert failures.first_failure([later, earlier]).rank == 1
+    assert failures.first_failure([earlier, later]).rank == 1
 
 
 def test_knock_on_failure_never_blames_the_victim():
     # Rank 0's collective broke because rank 1 died; rank 0 even reported *before* the caller
     # saw rank 1's exit (sockets close before the exit is reported).
-    victim = _rank_group.classify_failure(
+    victim = failures.classify_failure(
         0, _report(10.000, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1"), 0, 1, []
     )
-    culprit = _rank_group.classify_failure(1, None, 10.005, -9, ["last words"])
-    first = _rank_group.first_failure([victim, culprit])
+    culprit = failures.classify_failure(1, None, 10.005, -9, ["last words"])
+    first = failures.first_failure([victim, culprit])
     assert first.rank == 1 and first.exitcode == -9
     assert "signal SIGKILL" in str(first) and "last words" in str(first)
     # a knock-on failure alone is still reported
-    assert _rank_group.first_failure([victim]).rank == 0
+    assert failures.first_failure([victim]).rank == 0
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
@@ -497,17 +501,17 @@ def whose_child():
 def test_ranks_fork_from_one_warm_helper_and_see_the_callers_current_environment(
     monkeypatch, tmp_path
 ):
-    if not _zygote.enabled():
+    if not zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: every rank is a fresh interpreter")
     first = run(whose_child, 2)
-    helper = _zygote.helper().process.pid
+    helper = zygote.helper().process.pid
     assert [r["parent"] for r in first] == [helper, helper]
     # set after the helper started (and imported torch, which reads TORCH_DISTRIBUTED_DEBUG)
     monkeypatch.setenv("DMLBOOK_TEST_PROBE", "seen")
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     monkeypatch.chdir(tmp_path)
     second = run(whose_child, 3)
-    assert _zygote.helper().process.pid == helper  # started once, reused
+    assert zygote.helper().process.pid == helper  # started once, reused
     for r in second:
         assert r["parent"] == helper and r["probe"] == "seen"
         assert r["debug"].endswith("DETAIL") and r["cwd"] == str(tmp_path)
@@ -519,9 +523,9 @@ def sleep_then_answer(piddir):
 
 
 def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp_path):
-    if not _zygote.enabled():
+    if not zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
-    helper = _zygote.helper().process
+    helper = zygote.helper().process
 
     def kill_helper_once_both_ranks_run():
         deadline = time.monotonic() + 20
@@ -538,17 +542,17 @@ def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp
     assert time.monotonic() - start < 20
     _assert_no_orphans(tmp_path, 2)
     assert run(report, 2, 0)[1]["total"] == 1  # a new helper
-    assert _zygote.helper().process.pid != helper.pid
+    assert zygote.helper().process.pid != helper.pid
 
 
 def test_the_helper_leaves_when_idle_and_comes_back(monkeypatch):
-    if not _zygote.enabled():
+    if not zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
-    from dmlbook.ranks import Ranks
+    from dmlbook.launch import Ranks
 
     monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "2")
     first = run(whose_child, 2)[0]["parent"]
-    helper = _zygote.helper()
+    helper = zygote.helper()
     assert helper.process.pid == first
     with Ranks(1, timeout=30) as session:  # live ranks hold the helper past its idle time
         time.sleep(3)
@@ -558,7 +562,7 @@ def test_the_helper_leaves_when_idle_and_comes_back(monkeypatch):
     assert run(whose_child, 2)[0]["parent"] not in (first, os.getpid())  # a new helper
     # the parameter overrides the environment, and bad values are refused with their name
     monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "inf")
-    second = _zygote.helper()
+    second = zygote.helper()
     try:
         launch.set_helper_idle_timeout(0.5)
         _wait_for(lambda: second.process.poll() is not None, 30, "set_helper_idle_timeout")
@@ -569,6 +573,22 @@ def test_the_helper_leaves_when_idle_and_comes_back(monkeypatch):
     monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "soon")
     with pytest.raises(ValueError, match="DMLBOOK_HELPER_IDLE_S"):
         run(whose_child, 1)
+
+
+def test_a_helper_told_to_stay_for_ever_still_hears_a_new_idle_time(monkeypatch):
+    # "inf" once crashed the helper's idle thread (Condition.wait(inf) overflows), after which no
+    # later set_helper_idle_timeout could make the helper leave.
+    if not zygote.enabled():
+        pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
+    monkeypatch.setenv("DMLBOOK_HELPER_IDLE_S", "inf")
+    run(whose_child, 1)
+    helper = zygote.helper()
+    time.sleep(0.3)  # idle, its thread waiting for ever
+    try:
+        launch.set_helper_idle_timeout(0.5)
+        _wait_for(lambda: helper.process.poll() is not None, 30, "the helper did not leave")
+    finally:
+        launch.set_helper_idle_timeout(None)
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:
@@ -603,7 +623,7 @@ def test_spawned_ranks_behave_the_same(monkeypatch, tmp_path):
 def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
     import socket
 
-    low = launch._ephemeral_range()[0]
+    low = runtime_launch._ephemeral_range()[0]
     ports = {launch.free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports) and len(ports) > 1  # random, not one fixed port
     port = ports.pop()
@@ -611,7 +631,9 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
         s.bind(("127.0.0.1", port))
         s.listen()
         # the first candidate is the port someone listens on: it is skipped, the next is given
-        monkeypatch.setattr(launch.random.Random, "sample", lambda self, r, k: [port, port - 1])
+        monkeypatch.setattr(
+            runtime_launch.random.Random, "sample", lambda self, r, k: [port, port - 1]
+        )
         assert launch.free_port() == port - 1
 
 
@@ -639,7 +661,6 @@ def test_a_killed_callers_folder_is_removed_by_its_dead_owner_never_a_live_one(
     """Ranks remove their launch folder when their caller dies; if they die with it (the whole
     session killed), the next launch in any process of this user removes what is left, knowing
     it by its dead owner (pid and start time), never by its name."""
-    from dmlbook import _rank_group
     from dmlbook.owners import Owner
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -656,7 +677,7 @@ def test_a_killed_callers_folder_is_removed_by_its_dead_owner_never_a_live_one(
         folder.mkdir()
         (folder / "store").write_text("x")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(_rank_group, "_swept", False)
-    _rank_group._remove_dead_callers_folders()
+    monkeypatch.setattr(rank_group, "_swept", False)
+    rank_group._remove_dead_callers_folders()
     left = {name for name, folder in folders.items() if folder.exists()}
     assert left == {"live", "not ours"}

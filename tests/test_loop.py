@@ -113,7 +113,9 @@ def _weighted(split):
     rank = torch.distributed.get_rank()
     offset = sum(split[:rank])
     plan = [
-        dp.Batch(0, t, list(range(t * 12 + offset, t * 12 + offset + split[rank])), global_size=12)
+        dp.LocalBatch(
+            0, t, list(range(t * 12 + offset, t * 12 + offset + split[rank])), global_size=12
+        )
         for t in range(4)
     ]
     dp.train_loop(model, opt, x, y, plan, sync=dp.GradientAveraging(divide_by=1))
@@ -122,7 +124,7 @@ def _weighted(split):
 
 def test_unequal_weighted_batches_equal_one_process_on_the_union():
     model, opt, x, y = _setup()
-    plan = [dp.Batch(0, t, list(range(t * 12, t * 12 + 12))) for t in range(4)]
+    plan = [dp.LocalBatch(0, t, list(range(t * 12, t * 12 + 12))) for t in range(4)]
     dp.train_loop(model, opt, x, y, plan)  # outside any group: one process
     want = [p.detach() for p in model.parameters()]
     for got in run(_weighted, 3, [2, 7, 3]):
@@ -135,3 +137,72 @@ def test_a_bad_plan_is_refused_before_training():
         dp.strided_batches(SAMPLES, 10, rank=0, world_size=3, epochs=1)
     with pytest.raises(ValueError, match="larger than the 48 samples"):
         dp.strided_batches(SAMPLES, 60, rank=0, world_size=1, epochs=1)
+
+
+# ---- the step hook, the reference trainer and tensor plans -------------------------------------
+
+
+def _hand_loop(model, opt, batches):
+    """The plain single-process loop the package's loop must equal, written out by hand."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_reference_trainer_is_the_plain_loop_on_tensor_batches():
+    _, _, x, y = _setup()
+    batches = [(x[t * 12 : (t + 1) * 12], y[t * 12 : (t + 1) * 12]) for t in range(4)]
+    model = mlp(seed=0, in_features=6, hidden=(8,), out_features=3)
+    want = _hand_loop(model, torch.optim.Adam(model.parameters(), lr=0.01), batches)
+    make = lambda: mlp(seed=0, in_features=6, hidden=(8,), out_features=3)  # noqa: E731
+    done = dp.train_reference(make, batches, lr=0.01, loss_fn=torch.nn.functional.cross_entropy)
+    assert done.losses == want and done.step == 4  # the same arithmetic, bit for bit
+    for got, ref in zip(done.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, ref)
+    with pytest.raises(TypeError, match="pass a loss_fn"):  # an MLP brings no loss of its own
+        dp.train_reference(make, batches, lr=0.01)
+
+
+class _Doubled(dp.ForwardBackward):
+    """A step hook: twice the loss, so twice the gradients (what a custom step may change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __call__(self, state, batch):
+        self.calls.append((state.step, len(batch.inputs)))
+        loss = 2 * self.loss(state, batch)
+        loss.backward()
+        return loss
+
+
+def test_a_step_hook_replaces_the_forward_and_backward_and_keeps_the_callbacks():
+    model, opt, x, y = _setup()
+    hook, recorder = _Doubled(), Recorder()
+    plan = [dp.LocalBatch(0, t, list(range(t * 12, t * 12 + 12))) for t in range(4)]
+    done = dp.train_loop(model, opt, x, y, plan, callbacks=[recorder], forward_backward=hook)
+    assert hook.calls == [(t, 12) for t in range(4)]  # once a step, on the step's rows
+    assert [e for e in recorder.events if e[0] == "backward"] == [("backward", t) for t in range(4)]
+    twice, _, _, _ = _setup()  # the plain loop at twice the learning rate: the same SGD steps
+    _hand_loop(twice, torch.optim.SGD(twice.parameters(), lr=0.2),
+               [(x[b.samples], y[b.samples]) for b in plan])  # fmt: skip
+    for got, want in zip(done.model.parameters(), twice.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_hook_may_hold_no_loss_and_a_plan_of_indices_needs_the_data():
+    model, opt, x, y = _setup()
+
+    def no_loss(state, batch):  # e.g. a pipeline's first stage: gradients, but no loss
+        torch.nn.functional.cross_entropy(state.model(batch.inputs), batch.targets).backward()
+
+    done = dp.train_loop(model, opt, None, None, [(x[:12], y[:12])], forward_backward=no_loss)
+    assert done.step == 1 and len(done.losses) == 1 and done.losses[0] != done.losses[0]  # nan
+    with pytest.raises(ValueError, match="needs the data x and y"):
+        dp.train_loop(model, opt, None, None, [dp.LocalBatch(0, 0, [0, 1])])

@@ -1,9 +1,9 @@
-"""Tests for dmlbook.advanced.mesh: the group layout of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes; on
-real ranks the groups hold the ranks the layout says (and the ranks torch's init_device_mesh puts
-together), a TP all-reduce adds exactly its row; DP x TP training of the char-GPT at 2x2 on 4
-ranks, 1x3 and 3x1 on 3 ranks equals single-process training (losses and every parameter, float64);
-a mesh
-that does not match the world raises ValueError on every rank."""
+"""Tests for dmlbook.advanced.composition.mesh: the groups of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes;
+on real ranks the groups hold the ranks the table says (and the ranks torch's init_device_mesh
+puts together), a TP all-reduce adds exactly its row; DP x TP training of the char-GPT (through
+compose, on ``ProcessGroups(Layout(dp, tp))``) at 2x2 on 4 ranks, 1x3 and 3x1 on 3 ranks equals
+single-process training (losses and every parameter, float64); a mesh that does not match the
+world raises ValueError on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import test_tensor_parallel  # a sibling test module: pytest puts tests/ on sys.
 import torch
 import torch.distributed as dist
 
-from dmlbook.advanced import mesh as mesh_lib
+from dmlbook.advanced.composition import mesh as mesh_lib
+from dmlbook.advanced.composition.layout import Layout, ProcessGroups
+from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import run
 from dmlbook.models import char_gpt
 
@@ -37,7 +39,7 @@ def batches():
 
 @functools.cache
 def reference():
-    return mesh_lib.train_reference(make_gpt, batches(), lr=1e-2)
+    return train_reference(make_gpt, batches(), lr=1e-2)  # Adam, one process
 
 
 def test_layout_of_a_2x2_mesh():
@@ -80,6 +82,7 @@ def _on_mesh(shapes, reference_result):
         mesh_lib.DeviceMesh((5, 1))
     except ValueError as error:
         out["bad_world"] = str(error)
+    cache: dict = {}  # the groups of every layout made in this process, by rank list
     for shape in shapes:
         mesh = mesh_lib.DeviceMesh(shape, ("dp", "tp"))
         torch_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
@@ -94,8 +97,9 @@ def _on_mesh(shapes, reference_result):
             )
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=mesh.group("tp"))
-        trained = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
-        expected = mesh_lib.shard_of(reference_result.model, mesh)
+        groups = ProcessGroups(Layout(dp=shape[0], tp=shape[1]), cache)
+        trained = mesh_lib.train_hybrid(make_gpt, batches(), groups, lr=1e-2)
+        expected = mesh_lib.shard_of(reference_result.model, groups)
         param_error = max(
             (a - b).abs().max().item()
             for a, b in zip(trained.model.parameters(), expected.parameters(), strict=True)
@@ -159,7 +163,7 @@ def test_a_mesh_that_does_not_match_the_world_raises_on_every_rank(world, shapes
 def test_single_rank_mesh_without_process_group():
     mesh = mesh_lib.DeviceMesh((1, 1))
     assert mesh.coordinate == {"dp": 0, "tp": 0} and mesh.group("tp") is None
-    result = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
+    result = mesh_lib.train_hybrid(make_gpt, batches(), ProcessGroups(Layout()), lr=1e-2)
     assert result.losses == pytest.approx(reference().losses, abs=TOL)
     with pytest.raises(ValueError, match="no mesh dimension 'pp'"):
         mesh.size("pp")

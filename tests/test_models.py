@@ -261,3 +261,21 @@ def test_char_gpt_loss_falls_on_text() -> None:
     assert abs(losses[0] - math.log(V)) < 0.15  # starts at chance
     # measured final/initial 0.566-0.607 over seeds 0-2 (seed 0: 0.566), ~1 s
     assert np.mean(losses[-10:]) < 0.75 * losses[0]
+
+
+def test_batch_loss_is_the_one_model_contract():
+    from dmlbook.models import Batch, batch_loss, next_token_loss
+
+    gpt = char_gpt(11, seed=0, n_layer=1, n_head=2, n_embd=8, block_size=6)
+    idx = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(idx, -1, dims=1)
+    own = batch_loss(gpt, Batch(idx, targets))  # CharGPT brings its own loss
+    named = batch_loss(gpt, (idx, targets), next_token_loss)  # (logits, loss): logits taken
+    by_hand = torch.nn.functional.cross_entropy(gpt(idx)[0].reshape(-1, 11), targets.reshape(-1))
+    assert torch.equal(own, named) and torch.equal(own, by_hand)
+    classifier = mlp(seed=0, in_features=4, hidden=(5,), out_features=3)
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    want = torch.nn.functional.cross_entropy(classifier(x), y)
+    assert torch.equal(batch_loss(classifier, (x, y), torch.nn.functional.cross_entropy), want)
+    with pytest.raises(TypeError, match="returned no \\(outputs, loss\\) pair: pass a loss_fn"):
+        batch_loss(classifier, (x, y))

@@ -195,7 +195,7 @@ def test_torchrun_across_two_hosts_equals_single_process(tmp_path):
     # the same weights as one process training on the global batch
     x, y = load_digits("train")
     reference = models.mlp(seed=0)
-    dp.train(reference, x, y, **saved["settings"])
+    dp.train(reference, x, y, dp.TrainConfig(**saved["settings"]))
     for k, v in reference.state_dict().items():
         torch.testing.assert_close(saved["state"][k], v, rtol=1e-5, atol=1e-6)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from dmlbook import _zygote
 from dmlbook.launch import run
 from dmlbook.ranks import Ranks
+from dmlbook.runtime import zygote
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(
@@ -160,8 +160,8 @@ def test_a_second_user_cannot_reach_a_learners_ranks(tmp_path):
             assert len(ranks) == 2, "the run's ranks did not start"
             folders = [session._group.workdir, *{Path(r["folder"]) for r in ranks}]
             pids = [os.getpid(), *[s.pid for s in session.status()], *[r["pid"] for r in ranks]]
-            if _zygote.enabled():
-                pids.append(_zygote.helper().process.pid)
+            if zygote.enabled():
+                pids.append(zygote.helper().process.pid)
 
             control_port = control.getsockname()[1]
             listeners = [(a, p) for a, p in _tcp_listeners(pids) if p != control_port]

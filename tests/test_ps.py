@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmlbook import data_parallel as dp
-from dmlbook import launch
 from dmlbook.data_parallel import ps
 from dmlbook.datasets import load_digits, make_classification, shard_indices
 from dmlbook.launch import RankError, run
 from dmlbook.models import mlp
+from dmlbook.runtime import errors as runtime_errors
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 workers
 SETTINGS = dict(global_batch=GLOBAL_BATCH, lr=0.2, epochs=2, seed=3)
@@ -64,7 +64,7 @@ def _sgd_steps(steps):
 def reference():
     x, y = _data()
     model = _model()
-    dp.train(model, x, y, **SETTINGS)  # no process group: plain single-process SGD
+    dp.train(model, x, y, dp.TrainConfig(**SETTINGS))  # no process group: plain single-process SGD
     return _state(model)
 
 
@@ -97,9 +97,8 @@ def sync_runs(layouts):
     world = dist.get_world_size()
     out = {}
     for servers, sharding in layouts:
-        out[servers, sharding] = ps.train(
-            _model, x, y, servers=servers, sharding=sharding, **SETTINGS
-        )
+        config = ps.PSConfig(servers=servers, sharding=sharding, **SETTINGS)
+        out[servers, sharding] = ps.train(_model, x, y, config)
     for servers in sorted({s for s, _ in layouts}):
         out["ddp", servers] = _ddp_on(list(range(servers, world)))
     return out
@@ -201,11 +200,12 @@ def digits_runs(straggler_delay):
     x, y = load_digits("train")
     workers = dist.get_world_size() - 1
     delay = [straggler_delay] + [0.0] * (workers - 1)
-    common = dict(servers=1, global_batch=48, lr=0.5, epochs=2, delay=delay)
+    common = dict(servers=1, global_batch=48, lr=0.5, epochs=2)
+    config = lambda consistency: ps.PSConfig(consistency=consistency, **common)  # noqa: E731
     return {
-        "async": ps.train(mlp, x, y, consistency=ps.Asynchronous(), **common),
-        "ssp2": ps.train(mlp, x, y, consistency=ps.BoundedStaleness(2), **common),
-        "ssp0": ps.train(mlp, x, y, consistency=ps.BoundedStaleness(0), **common),
+        "async": ps.train(mlp, x, y, config(ps.Asynchronous()), delay=delay),
+        "ssp2": ps.train(mlp, x, y, config(ps.BoundedStaleness(2)), delay=delay),
+        "ssp0": ps.train(mlp, x, y, config(ps.BoundedStaleness(0)), delay=delay),
     }
 
 
@@ -241,7 +241,7 @@ def dying_worker(report, die_at):
 
     x, y = _data()
     try:
-        return ps.train(_model, x, y, servers=1, loss_fn=loss_fn, **SETTINGS)
+        return ps.train(_model, x, y, ps.PSConfig(servers=1, **SETTINGS), loss_fn=loss_fn)
     except ps.WorkerLost as e:  # the server: keep what it held, for the test to inspect
         torch.save(dict(message=str(e), updates=e.updates, shard=e.shard), report + ".tmp")
         os.replace(report + ".tmp", report)
@@ -253,7 +253,7 @@ def test_dead_worker_ends_the_run_and_leaves_whole_updates(tmp_path, monkeypatch
     report, die_at = str(tmp_path / "server.pt"), 5
     # The launcher stops the other ranks FAILURE_GRACE_S after the first failure; give the server
     # ample time to write its report even on a loaded machine (the outcome does not depend on it).
-    monkeypatch.setattr(launch, "FAILURE_GRACE_S", 2.0)
+    monkeypatch.setattr(runtime_errors, "FAILURE_GRACE_S", 2.0)
     start = time.monotonic()
     with pytest.raises(RankError) as failure:
         run(dying_worker, 3, report, die_at, timeout=30)
@@ -293,8 +293,9 @@ def bad_arguments():
     messages = {}
     for name, kwargs in cases.items():
         args = {**SETTINGS, "model_fn": _model, **kwargs}
+        options = {k: args.pop(k) for k in ("model_fn", "delay", "members") if k in args}
         try:
-            ps.train(x=x, y=y, **args)
+            ps.train(x=x, y=y, config=ps.PSConfig(**args), **options)
         except (TypeError, ValueError) as e:
             messages[name] = f"{type(e).__name__}: {e}"
     return messages
@@ -354,7 +355,7 @@ def test_consistency_objects_know_their_bound_and_check_it():
 def test_train_needs_a_process_group():
     x, y = _data()
     with pytest.raises(RuntimeError, match="launch.run"):
-        ps.train(_model, x, y, servers=1, **SETTINGS)
+        ps.train(_model, x, y, ps.PSConfig(servers=1, **SETTINGS))
 
 
 def test_assemble_model_needs_every_shard():
@@ -369,6 +370,8 @@ def test_sync_on_gpus_equals_cpu_reference(reference):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs a server and a worker on GPUs of their own (2 GPUs)")
     x, y = _data()
-    results = run(ps.train, torch.cuda.device_count(), _model, x, y, timeout=90, **SETTINGS)
+    results = run(
+        ps.train, torch.cuda.device_count(), _model, x, y, ps.PSConfig(**SETTINGS), timeout=90
+    )
     model = ps.assemble_model(_model(), results)
     _assert_same(_state(model), reference, rtol=1e-4, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Persistent ranks (dmlbook.ranks.Ranks): state across cells, every request, every failure, and
+"""Persistent ranks (dmlbook.launch.Ranks): state across cells, every request, every failure, and
 no process left behind after close, an exception, or a killed caller. The magic: test_magic.py."""
 
 import _thread
@@ -16,9 +16,10 @@ import pytest
 import torch
 from processes import assert_gone
 
-from dmlbook import _zygote, ranks
 from dmlbook.launch import RankError, RankTimeoutError
 from dmlbook.ranks import Ranks, RanksClosedError
+from dmlbook.runtime import session as ranks
+from dmlbook.runtime import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_PIDS = (
@@ -273,12 +274,12 @@ def test_no_rank_outlives_a_killed_caller(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import time
-        from dmlbook import _zygote
+        from dmlbook.runtime import zygote
         from dmlbook.ranks import Ranks
         session = Ranks(2)
         session.exec({RECORD_PIDS!r})
         pids = [p for pair in session.pull("pids") for p in pair]
-        helper = [_zygote.helper().process.pid] if _zygote.enabled() else []
+        helper = [zygote.helper().process.pid] if zygote.enabled() else []
         print("PIDS", *pids, *helper, flush=True)
         time.sleep(600)
     """)
@@ -292,7 +293,7 @@ def test_no_rank_outlives_a_killed_caller(tmp_path):
         caller.wait()
     assert line.startswith("PIDS"), line
     pids = [int(p) for p in line.split()[1:]]
-    assert len(pids) == 4 + _zygote.enabled()
+    assert len(pids) == 4 + zygote.enabled()
     assert_gone(pids)
 
 

@@ -1,22 +1,25 @@
-"""dmlbook.advanced.sequence_parallel: at TP = 1-4 the char-GPT with tensor + sequence
-parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor parallelism:
-loss, every gradient and three Adam steps (float64 to 1e-10); each block's all-reduce becomes a
-reduce-scatter and an all-gather; the styles equal torch's DTensor SequenceParallel /
-ColwiseParallel(input_layouts=Shard(1)) / RowwiseParallel(output_layouts=Shard(1)); the bytes a
-block saves for backward, measured, equal the formula (TP: replicated + split / t; SP: all / t);
-a sequence length that does not divide raises ValueError naming it, on every rank, no hang."""
+"""dmlbook.advanced.tensor_parallel.sequence_parallel: at TP = 1-4 the char-GPT with tensor +
+sequence parallelism (SEQUENCE_PARALLEL_PLAN on the unmodified model) equals plain tensor
+parallelism: loss, every gradient and three Adam steps (float64 to 1e-10); each block's
+all-reduce becomes a reduce-scatter and an all-gather; the styles equal torch's DTensor
+SequenceParallel / ColwiseParallel(input_layouts=Shard(1)) /
+RowwiseParallel(output_layouts=Shard(1)); the bytes a block saves for backward, measured, equal
+the formula (TP: replicated + split / t; SP: all / t); a sequence length that does not divide
+raises ValueError naming it, on every rank, no hang; a sequence split differently on two ranks
+(world 2 and 3) is a ValueError naming every rank's shape, on every rank, instead of a gloo
+abort."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from rank_checks import by_world
+from rank_checks import by_world, caught
 from torch import nn
 
-from dmlbook.advanced import sequence_parallel as sp
 from dmlbook.advanced import tensor_parallel as tp
-from dmlbook.advanced.parallelize import apply_tensor_parallel, tensor_parallel_char_gpt
+from dmlbook.advanced.composition.plan import apply_plan, tensor_parallel_char_gpt
+from dmlbook.advanced.tensor_parallel import sequence_parallel as sp
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.model_parallel.memory.spec import spec_of
 from dmlbook.models import char_gpt
@@ -103,6 +106,14 @@ def _checks() -> dict:
         out["bad_length"] = "no error"
     except ValueError as error:
         out["bad_length"] = str(error)
+    if world > 1:  # a sequence split differently on rank 1: every SP collective refuses it
+        block = torch.ones(BATCH, 2 + (rank == 1), C, dtype=torch.float64)
+        whole = torch.ones(BATCH, world * 2 + (rank == 1), C, dtype=torch.float64)
+        out["mismatch"] = {
+            "gather": caught(lambda: sp.gather_from_sequence_parallel(block)),
+            "reduce_scatter": caught(lambda: sp.reduce_scatter_to_sequence_parallel(whole)),
+            "linear": caught(lambda: sp_model.blocks[0].mlp.c_fc(block)),
+        }
     check = torch.ones(1)
     if world > 1:
         dist.all_reduce(check)
@@ -131,7 +142,7 @@ def _against_dtensor() -> float:
     )
 
     rank, world = group_rank_size()
-    ours = apply_tensor_parallel(
+    ours = apply_plan(
         _block(),
         {
             "0": sp.SequenceParallel(),
@@ -227,6 +238,20 @@ def test_sequence_length_that_does_not_divide_is_refused_on_every_rank(world):
         message = r["bad_length"]
         assert f"sequence length={SEQ - 1} is not divisible by the {world} ranks" in message
         assert r["after_errors"] == world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sequence_split_differently_on_two_ranks_is_a_value_error_on_every_rank(world):
+    blocks = [f"rank {r}: ({BATCH}, {3 if r == 1 else 2}, {C})" for r in range(world)]
+    wholes = [f"rank {r}: ({BATCH}, {2 * world + (r == 1)}, {C})" for r in range(world)]
+    for r in results(world):
+        mismatch = r["mismatch"]
+        assert mismatch["gather"].startswith("sequence-parallel all-gather: "), mismatch
+        assert mismatch["linear"].startswith("sequence-parallel all-gather: "), mismatch
+        assert mismatch["reduce_scatter"].startswith("sequence-parallel reduce-scatter: ")
+        for what, shapes in (("gather", blocks), ("linear", blocks), ("reduce_scatter", wholes)):
+            assert ", ".join(shapes) in mismatch[what], (what, mismatch[what])
+        assert r["after_errors"] == world  # and the ranks are still in step
 
 
 def test_dropout_is_refused_and_formula_checks_sizes():

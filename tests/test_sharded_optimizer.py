@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.sharded_optimizer import (
+from dmlbook.advanced.zero.sharded_optimizer import (
     ShardedOptimizer,
     optimizer_state_bytes,
     partition_parameters,

@@ -1,9 +1,10 @@
 """Rank functions keep their source lines whatever cloudpickle does with code objects.
 
 cloudpickle 3.1.3 renames every shipped code object's file to ``<dynamic-code>``; the launcher's
-own pickler (:mod:`dmlbook._shipping`) must not care. The scenarios script runs the real launcher
-under the installed cloudpickle, the oldest that pyproject.toml allows and 3.1.3, installed with
-pip into a folder of their own (marker ``install``: needs the package registry, or pip's cache).
+own pickler (:mod:`dmlbook.runtime.shipping`) must not care. The scenarios script runs the real
+launcher under the installed cloudpickle, the oldest that pyproject.toml allows and 3.1.3,
+installed with pip into a folder of their own (marker ``install``: needs the package registry, or
+pip's cache).
 """
 
 import json
@@ -19,7 +20,7 @@ import cloudpickle
 import pytest
 from packaging.version import Version
 
-from dmlbook import _shipping
+from dmlbook.runtime import shipping
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = REPO / "build" / "pip-target"
@@ -39,19 +40,19 @@ def test_code_objects_keep_file_name_and_cell_source():
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     namespace = {"__name__": "__main__"}
     exec(compile(source, name, "exec"), namespace)
-    payload, sources = _shipping.dumps(namespace["outer"](3))
+    payload, sources = shipping.dumps(namespace["outer"](3))
     fn = pickle.loads(payload)
     assert fn() == 3 and fn.__code__.co_filename == name
     assert fn.__code__.co_firstlineno == 2 and fn.__code__.co_qualname == "outer.<locals>.inner"
     assert sources == {name: source.splitlines(True)}
     # a function from a file on disk needs no copy of its source
-    assert _shipping.dumps(test_code_objects_keep_file_name_and_cell_source)[1] == {}
+    assert shipping.dumps(test_code_objects_keep_file_name_and_cell_source)[1] == {}
 
 
 def test_install_sources_survives_checkcache():
     name = "/nonexistent/ipykernel_2/cell.py"
     linecache.cache.pop(name, None)
-    _shipping.install_sources({name: ["x = 1\n", "y = 2\n"]})
+    shipping.install_sources({name: ["x = 1\n", "y = 2\n"]})
     linecache.checkcache()  # what traceback does for each frame
     assert linecache.getline(name, 2) == "y = 2\n"
 

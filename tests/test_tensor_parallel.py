@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.advanced import tensor_parallel as tp
-from dmlbook.advanced.parallelize import tensor_parallel_char_gpt
+from dmlbook.advanced.composition.plan import tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.launch import run
 from dmlbook.models import GPTConfig, char_gpt

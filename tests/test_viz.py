@@ -36,7 +36,7 @@ def test_stacked_bars_stack_parts_and_annotate_totals():
 
 
 def test_who_holds_what_colours_each_group_and_labels_each_rank():
-    from dmlbook.advanced.layout import Layout
+    from dmlbook.advanced.composition.layout import Layout
 
     layout = Layout(dp=2, tp=2, pp=2)
     ax = viz.who_holds_what([f"r{r}" for r in range(8)], layout.group_ranks()["pp"], columns=4)
@@ -163,7 +163,7 @@ def test_ring_attention_blocks_name_the_ring_step_of_each_block():
 
 
 def test_rank_grid_places_tp_fastest_and_joins_each_group():
-    from dmlbook.advanced.layout import Layout
+    from dmlbook.advanced.composition.layout import Layout
 
     layout = Layout(pp=2, cp=2, tp=2)
     ax = viz.rank_grid(layout, "cp")

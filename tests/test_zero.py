@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.advanced import zero
-from dmlbook.comm.groups import padded_size
+from dmlbook.comm.groups import local_rows, padded_size
 from dmlbook.launch import run
 from dmlbook.models import mlp
 from dmlbook.optim import adam_update_
@@ -76,7 +76,7 @@ def _everything(cross_check_torch: bool) -> dict:
     # stage 3 really lets go: after a step no parameter of the model has any storage left
     model = make_model()
     engine = zero.ZeroStage3(model, LR)
-    x, y = zero.training._local_batch(*batches()[0])
+    x, y = local_rows(batches()[0])
     torch.nn.functional.cross_entropy(engine(x), y).backward()
     engine.step()
     out["storage after step"] = [p.untyped_storage().nbytes() for p in model.parameters()]

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dmlbook.bench import _write_json
+from dmlbook.bench.common import _write_json
 from dmlbook.comm import collectives
 from dmlbook.launch import device, run
 

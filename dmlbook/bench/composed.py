@@ -2,11 +2,12 @@
 planner's prediction, rank by rank.
 
 For each layout (world size 8, float32, the char-GPT of ``planner.netlab_model`` and its MoE
-variant), one :func:`~dmlbook.advanced.composed.train_composed` run measures every rank's memory
-(parameters, gradients, ZeRO-1 state, activations saved for backward) and the bytes it sent per
-dimension; :func:`~dmlbook.advanced.planner.predict_memory` and ``predict_traffic`` predict the
-same. Printed as measured / predicted, the range over the ranks, and the TCP bytes the kernel
-counted over the bytes the messages carried (gloo's framing). A measurement, never an assertion.
+variant), one :func:`~dmlbook.advanced.composition.training.train_composed` run measures every
+rank's memory (parameters, gradients, ZeRO-1 state, activations saved for backward) and the bytes
+it sent per dimension; :func:`~dmlbook.advanced.composition.planner.predict_memory` and
+``predict_traffic`` predict the same. Printed as measured / predicted, the range over the ranks,
+and the TCP bytes the kernel counted over the bytes the messages carried (gloo's framing). A
+measurement, never an assertion.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import json
 import statistics
 
-from dmlbook.advanced import composed, planner
-from dmlbook.advanced.layout import Layout
-from dmlbook.advanced.moe import moe_char_gpt
+from dmlbook.advanced.composition import planner
+from dmlbook.advanced.composition import training as composed
+from dmlbook.advanced.composition.layout import Layout
+from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.launch import run
 
 __all__ = ["bench_composed"]

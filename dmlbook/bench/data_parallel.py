@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
-from dmlbook.bench import _report
+from dmlbook.bench.common import _report
 from dmlbook.launch import run
 from dmlbook.models import mlp
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
-from dmlbook.bench import _load_average, _write_json
+from dmlbook.bench.common import _load_average, _write_json
 from dmlbook.launch import device, run
 from dmlbook.models import char_gpt, mlp
 

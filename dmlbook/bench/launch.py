@@ -5,7 +5,7 @@
   (``DMLBOOK_START=spawn``), and torch's ``mp.spawn`` around the same rank function.
 * The tail: 200 launches at world size 4, their median, p95, slowest and how many took over 1 s
   (the goal is none; a TCPStore rendezvous stalled about one in ten for 5 s, see
-  :func:`dmlbook._rank_group.rendezvous_env`), and the start of a ``Ranks`` session.
+  :func:`dmlbook.runtime.rank_group.rendezvous_env`), and the start of a ``Ranks`` session.
 * The memory one learner's live ranks cost, as PSS (``/proc/PID/smaps_rollup``: shared pages
   split among the processes that share them, so the figures add up): the caller, the helper
   and each rank of a ``Ranks`` session at world sizes 2 and 4. Ranks fork from the helper and
@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmlbook import _zygote
-from dmlbook.bench import _load_average, _one_all_reduce, _report
-from dmlbook.launch import free_port, run, threads_per_rank
-from dmlbook.ranks import Ranks
+from dmlbook.bench.common import _load_average, _one_all_reduce, _report
+from dmlbook.launch import Ranks, free_port, run, threads_per_rank
+from dmlbook.runtime import zygote
 
 TAIL_LAUNCHES = 200
 TAIL_WORLD_SIZE = 4
@@ -150,7 +149,7 @@ def bench_memory() -> list[dict]:
             # what a chapter's cell leaves behind: a process group that has run a collective
             session.exec("t = torch.ones(1 << 10); dist.all_reduce(t)")
             ranks = [pss_mib(s.pid) for s in session.status()]
-            helper = pss_mib(_zygote.helper().process.pid) if _zygote.enabled() else None
+            helper = pss_mib(zygote.helper().process.pid) if zygote.enabled() else None
             caller = pss_mib(os.getpid())
         if None in ranks or caller is None:
             print("memory: /proc/PID/smaps_rollup is not readable here (Linux only)")

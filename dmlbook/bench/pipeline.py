@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dmlbook.bench import _load_average, _write_json
+from dmlbook.bench.common import _load_average, _write_json
 from dmlbook.launch import device, run
 from dmlbook.models import mlp
 

@@ -1,6 +1,6 @@
 """``python -m dmlbook.bench ranks``: how long a ``%%ranks`` cell takes, against a fresh launch.
 
-The round trip of a cell on persistent ranks (:mod:`dmlbook.ranks`, chapters 2 and 9), run
+The round trip of a cell on persistent ranks (:class:`dmlbook.launch.Ranks`, chapters 2 and 9), run
 through IPython's own ``run_cell`` as a notebook kernel runs it: an empty cell, and a cell that
 all-reduces one element, at world sizes 2 and 4. Beside them, :func:`dmlbook.launch.run` of the
 same work (fresh ranks, forked from the warm helper), and ipyparallel's ``%%px`` (an empty cell
@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from dmlbook.bench import _one_all_reduce
+from dmlbook.bench.common import _one_all_reduce
 from dmlbook.launch import run
 
 EMPTY, ALL_REDUCE = "pass", "dist.all_reduce(t)"

@@ -7,7 +7,7 @@ Activation bytes saved and step-time overhead at sqrt(n) segments, ours and
 
 from __future__ import annotations
 
-from dmlbook.bench import _load_average, _write_json
+from dmlbook.bench.common import _load_average, _write_json
 
 
 def bench_recompute(repeats: int = 10, json_path: str | None = None) -> list[dict]:

@@ -22,8 +22,10 @@ which costs ``(W - 1) * payload`` bytes per rank where a ring all-reduce costs
 ``2 (W - 1) / W * payload``: at W ranks int8 costs ``W / 8`` of fp32 and 1-bit ``W / 64``, so
 int8 stops paying off at 8 ranks. Production 1-bit schemes (1-bit Adam) compress a reduce-scatter
 and then an all-gather instead. ``state.bytes_sent`` counts what a hook sent by these formulas;
-:class:`WireMeter` *measures* what the kernel's TCP really sent, and :func:`compare_schemes`
-trains the digits MLP under every scheme and reports both, with the accuracy each one reaches.
+:class:`WireMeter` *measures* what the kernel's TCP really sent. :func:`train_schemes`, a rank
+function (``run(train_schemes, 2, backend="gloo")``), trains the digits MLP under every scheme,
+and :func:`compare_schemes` turns the ranks' results into one table of both counts, with the
+accuracy each scheme reaches.
 """
 
 import math
@@ -55,6 +57,7 @@ __all__ = [
     "SCHEMES",
     "DigitsRun",
     "compare_schemes",
+    "train_schemes",
 ]
 
 # The return annotation that DDP's register_comm_hook checks (hence no postponed annotations).
@@ -242,21 +245,26 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> Future:
 
 # --------------------------------------------------------------------------- measuring the wire
 
-# Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_segs_out`` (u32) and
-# ``tcpi_bytes_sent`` (u64, Linux 4.19+; payload bytes, retransmissions included).
-_SEGS_OUT, _BYTES_SENT, _TCP_INFO_LEN = 136, 200, 208
+# Offsets in Linux's ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_segs_out`` (u32),
+# ``tcpi_bytes_sent`` (u64, Linux 4.19+; payload bytes, retransmissions included) and, just after
+# it, ``tcpi_bytes_retrans`` (u64; the retransmitted part).
+_SEGS_OUT, _BYTES_SENT, _BYTES_RETRANS, _TCP_INFO_LEN = 136, 200, 208, 216
 
 
 @dataclass
 class TcpCount:
-    """What TCP sent: payload bytes (gloo's own framing included) and segments (ACKs included).
+    """What TCP sent: payload bytes (gloo's own framing included, each byte once), the bytes it
+    sent again (a loaded machine drops the odd segment even on loopback) and segments (ACKs and
+    retransmissions included).
 
     Each segment adds 52 bytes of IPv4 and TCP headers (with timestamps): on loopback the
-    interface counter ``/sys/class/net/lo/statistics/tx_bytes`` grows by ``bytes + 52 * segments``.
+    interface counter ``/sys/class/net/lo/statistics/tx_bytes`` grows by
+    ``bytes + retransmitted + 52 * segments``.
     """
 
     bytes: int = 0
     segments: int = 0
+    retransmitted: int = 0
 
 
 def _tcp_sockets() -> dict[str, TcpCount]:
@@ -275,10 +283,10 @@ def _tcp_sockets() -> dict[str, TcpCount]:
         with sock:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-                counts[link] = TcpCount(
-                    struct.unpack_from("Q", info, _BYTES_SENT)[0],
-                    struct.unpack_from("I", info, _SEGS_OUT)[0],
-                )
+                sent = struct.unpack_from("Q", info, _BYTES_SENT)[0]
+                again = struct.unpack_from("Q", info, _BYTES_RETRANS)[0]
+                segments = struct.unpack_from("I", info, _SEGS_OUT)[0]
+                counts[link] = TcpCount(sent - again, segments, again)
     return counts
 
 
@@ -289,11 +297,16 @@ def tcp_sent() -> TcpCount:
     which also count every other program talking over loopback at the same time.
     """
     sockets = _tcp_sockets().values()
-    return TcpCount(sum(c.bytes for c in sockets), sum(c.segments for c in sockets))
+    return TcpCount(
+        sum(c.bytes for c in sockets),
+        sum(c.segments for c in sockets),
+        sum(c.retransmitted for c in sockets),
+    )
 
 
 class WireMeter:
-    """``with WireMeter() as wire: ...`` then ``wire.bytes``: what TCP sent while the block ran.
+    """``with WireMeter() as wire: ...`` then ``wire.bytes``: the payload TCP sent while the block
+    ran, each byte once (``wire.retransmitted``: what it had to send again).
 
     Counted per socket, as end minus start (a socket opened inside the block from zero), so a
     socket that closes meanwhile cannot subtract its whole history from the total.
@@ -305,8 +318,11 @@ class WireMeter:
 
     def __exit__(self, *exc) -> None:
         end, start = _tcp_sockets(), self._start
-        self.bytes = sum(c.bytes - start.get(k, TcpCount()).bytes for k, c in end.items())
-        self.segments = sum(c.segments - start.get(k, TcpCount()).segments for k, c in end.items())
+        for name in ("bytes", "segments", "retransmitted"):
+            grew = (
+                getattr(c, name) - getattr(start.get(k, TcpCount()), name) for k, c in end.items()
+            )
+            setattr(self, name, sum(grew))
 
 
 # --------------------------------------------------------------------------- chapter 4's table
@@ -325,7 +341,7 @@ SCHEMES: dict[str, Scheme] = {
 
 @dataclass
 class DigitsRun:
-    """How :func:`compare_schemes` trains the digits MLP (plain SGD, as chapter 1)."""
+    """How :func:`train_schemes` trains the digits MLP (plain SGD, as chapter 1)."""
 
     epochs: int = 10
     global_batch: int = 64  # summed over the ranks
@@ -335,17 +351,26 @@ class DigitsRun:
     seed: int = 0  # initial weights and the data order
 
 
-def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
-    """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init."""
+def train_schemes(
+    schemes: list[str] | dict[str, Scheme] | None = None, config: DigitsRun | None = None
+) -> dict:
+    """Rank function: train the digits MLP under torch's DDP once per scheme, from the same init.
+
+    ``schemes``: names from :data:`SCHEMES` (all of them by default) or your own
+    ``{name: (hook, make_state)}``. Launch it over gloo, even with GPUs: the meter counts TCP,
+    which NCCL over NVLink or shared memory avoids. :func:`compare_schemes` reads the results.
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dmlbook.datasets import load_digits, shard_indices
+    from dmlbook.data_parallel.loop import strided_batches, train_loop
+    from dmlbook.datasets import load_digits
     from dmlbook.models import mlp
 
+    schemes = _named(schemes)
+    config = config or DigitsRun()
     x, y = load_digits("train")
     x_test, y_test = load_digits("test")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_batch, steps = config.global_batch // world, len(x) // config.global_batch
     results = {}
     for name, (hook, make_state) in schemes.items():
         state = make_state()
@@ -353,18 +378,12 @@ def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
         ddp = DDP(model)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
-        losses = []
+        plan = strided_batches(len(x), config.global_batch, rank=rank, world_size=world,
+                               epochs=config.epochs, seed=config.seed)  # fmt: skip
         dist.barrier()  # DDP's construction traffic stays outside the measurement
         with WireMeter() as wire:
-            for epoch in range(config.epochs):
-                shard = shard_indices(len(x), rank, world, seed=config.seed, epoch=epoch)
-                for t in range(steps):
-                    idx = shard[t * local_batch : (t + 1) * local_batch]
-                    loss = F.cross_entropy(ddp(x[idx]), y[idx])  # compute
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()  # communication: the hook runs once per bucket
-                    opt.step()
-                    losses.append(loss.item())
+            # the one loop; DDP's backward runs the hook once per bucket (communication)
+            losses = train_loop(ddp, opt, x, y, plan).losses
             dist.barrier()  # every rank has received all we sent, so the kernel sent it all
         with torch.no_grad():
             correct = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
@@ -381,31 +400,25 @@ def _train_schemes(schemes: dict[str, Scheme], config: DigitsRun) -> dict:
     return results
 
 
-def compare_schemes(
-    world_size: int = 2,
-    schemes: list[str] | dict[str, Scheme] | None = None,
-    config: DigitsRun | None = None,
-    timeout: float = 120.0,
-) -> dict[str, dict]:
-    """Train the digits MLP under each scheme (names from SCHEMES, or your own) in one launch.
+def _named(schemes: list[str] | dict[str, Scheme] | None) -> dict[str, Scheme]:
+    if isinstance(schemes, dict):
+        return schemes
+    names = list(SCHEMES) if schemes is None else list(schemes)
+    if unknown := [n for n in names if n not in SCHEMES]:
+        raise ValueError(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
+    return {n: SCHEMES[n] for n in names}
+
+
+def compare_schemes(per_rank: list[dict]) -> dict[str, dict]:
+    """One table from :func:`train_schemes`' results on every rank (``run``'s list, by rank).
 
     Returns, per scheme: ``accuracy`` (test set), ``loss`` (per step, mean over ranks),
     ``wire_bytes`` and ``segments`` (measured TCP payload and segments, summed over ranks),
     ``hook_bytes`` and ``collectives`` (the hooks' own count, summed), ``wire_vs_fp32`` (when fp32
     ran) and ``ranks_agree`` (every rank ended with bit-identical parameters).
     """
-    from dmlbook.launch import run
-
-    if not isinstance(schemes, dict):
-        names = list(SCHEMES) if schemes is None else list(schemes)
-        if unknown := [n for n in names if n not in SCHEMES]:
-            raise ValueError(f"unknown schemes {unknown}; choose from {list(SCHEMES)}")
-        schemes = {n: SCHEMES[n] for n in names}
-    # gloo, even with GPUs: the meter counts TCP, which NCCL over NVLink or shared memory avoids
-    config = config or DigitsRun()
-    per_rank = run(_train_schemes, world_size, schemes, config, backend="gloo", timeout=timeout)
     table = {}
-    for name in schemes:
+    for name in per_rank[0]:
         runs = [r[name] for r in per_rank]
         table[name] = dict(
             accuracy=runs[0]["accuracy"],

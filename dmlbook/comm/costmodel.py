@@ -10,8 +10,8 @@ counted along its *critical path* (the chain of steps that cannot overlap)::
 :func:`terms` gives those three numbers for each algorithm of :mod:`dmlbook.comm.collectives`,
 :func:`all_reduce_time` and :func:`ps_time` turn them into seconds for a :class:`Link`, and
 :func:`fit` goes the other way: from measured times to the link's ``alpha``, ``beta`` (and
-``gamma``). :func:`measure_point_to_point` measures a real link between two ranks, so that the
-model always sits *beside* a measurement, never instead of one.
+``gamma``). :func:`ping_pong`, a rank function (``run(ping_pong, 2)[0]``), measures a real link
+between two ranks, so that the model always sits *beside* a measurement, never instead of one.
 
 The model is what makes the chapters' claims quantitative: ring All-Reduce moves about ``2 n``
 bytes per rank whatever the world size, but pays ``2 (p - 1)`` latencies; tree and recursive
@@ -43,7 +43,7 @@ __all__ = [
     "predict_all_reduce",
     "predict_ps",
     "fit",
-    "measure_point_to_point",
+    "ping_pong",
     "fit_point_to_point",
     "DEFAULT_P2P_SIZES",
 ]
@@ -248,7 +248,7 @@ def fit(records: Iterable[Mapping], *, fit_gamma: bool = False) -> Link:
     Each record is a dict with ``"algorithm"`` (one of :data:`ALGORITHMS`, or ``"p2p"`` for one
     message), ``"world_size"`` (ignored for p2p), ``"bytes"`` and the measured seconds as
     ``"median_s"`` (the format of ``python -m dmlbook.bench allreduce --json``) or ``"seconds"``
-    (the format of :func:`measure_point_to_point`). Other keys are ignored.
+    (the format of :func:`ping_pong`). Other keys are ignored.
 
     Every record gives one equation ``messages alpha + bytes beta (+ reduced gamma) = seconds``
     (see :func:`terms`). Each equation is divided by its measured time, so the fit minimises the
@@ -342,14 +342,35 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- measuring
 
 
-def _ping_pong(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
-    """Rank function: ranks 0 and 1 bounce a tensor of each size; the other ranks only wait."""
+def ping_pong(
+    sizes: Iterable[int] = DEFAULT_P2P_SIZES, repeats: int = 20, *, warmup: int = 3
+) -> list[dict]:
+    """Rank function: measure one-way message times between rank 0 and rank 1 (a ping-pong).
+
+    ``run(ping_pong, 2)[0]`` measures the link between two real ranks. For each size, after a
+    barrier and ``warmup`` untimed round trips, rank 0 sends a ``bytes``-long tensor to rank 1,
+    which sends it straight back; the one-way time is half the median round trip over ``repeats``
+    (5 x ``repeats`` under 1 MiB, where round trips are cheap and noisy). Ranks >= 2 only join the
+    barriers. Rank 0 returns one record per size, ``{"algorithm": "p2p", "world_size": 2,
+    "bytes", "seconds" (one way), "round_trip_s"}``, ready for :func:`fit_point_to_point` or
+    :func:`fit`; the other ranks return ``[]``. The default sizes (1 KiB to 16 MiB) take a few
+    seconds, mostly starting the ranks.
+    """
     import torch
     import torch.distributed as dist
 
-    from dmlbook.launch import device
+    from dmlbook.comm.groups import device, group_rank_size
 
-    rank, dev = dist.get_rank(), device()
+    sizes = [_check_positive_int(n, "every size") for n in sizes]
+    if not sizes:
+        raise ValueError("sizes must not be empty")
+    repeats = _check_positive_int(repeats, "repeats")
+    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    rank, world_size = group_rank_size()
+    if world_size < 2:
+        raise ValueError(f"a ping-pong needs world_size >= 2, got {world_size}")
+    dev = device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     records = []
     for nbytes in sizes:
@@ -385,44 +406,9 @@ def _ping_pong(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
     return records
 
 
-def measure_point_to_point(
-    sizes: Iterable[int] = DEFAULT_P2P_SIZES,
-    repeats: int = 20,
-    world_size: int = 2,
-    *,
-    warmup: int = 3,
-    backend: str = "auto",
-    timeout: float = 60.0,
-) -> list[dict]:
-    """Measure one-way message times between rank 0 and rank 1 on real ranks (a ping-pong).
-
-    For each size, after a barrier and ``warmup`` untimed round trips, rank 0 sends a
-    ``bytes``-long tensor to rank 1, which sends it straight back; the one-way time is half
-    the median round trip over ``repeats`` (5 x ``repeats`` under 1 MiB, where round trips are
-    cheap and noisy). Ranks >= 2 (if ``world_size`` > 2) only join the
-    barriers. Returns one record per size: ``{"algorithm": "p2p", "world_size": 2, "bytes",
-    "seconds" (one way), "round_trip_s"}``, ready for :func:`fit_point_to_point` or :func:`fit`.
-    The default sizes (1 KiB to 16 MiB) take a few seconds, mostly starting the ranks.
-    """
-    from dmlbook.launch import run
-
-    sizes = [_check_positive_int(n, "every size") for n in sizes]
-    if not sizes:
-        raise ValueError("sizes must not be empty")
-    repeats = _check_positive_int(repeats, "repeats")
-    if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if _check_world_size(world_size) < 2:
-        raise ValueError(f"a ping-pong needs world_size >= 2, got {world_size!r}")
-    results = run(
-        _ping_pong, world_size, sizes, repeats, int(warmup), backend=backend, timeout=timeout
-    )
-    return results[0]
-
-
 def fit_point_to_point(records: Iterable[Mapping]) -> Link:
     """The link (alpha, beta) behind one-way times ``{"bytes", "seconds"}``, e.g. as measured
-    by :func:`measure_point_to_point`: a relative-error, non-negative fit of ``alpha + n beta``."""
+    by :func:`ping_pong`: a relative-error, non-negative fit of ``alpha + n beta``."""
     return fit([{**r, "algorithm": P2P} for r in records])
 
 

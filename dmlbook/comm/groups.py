@@ -12,21 +12,29 @@ one function each, with ``rank`` and ``world_size`` keyword-only so that they ca
 * :func:`padded_block`: equal blocks of a buffer padded to a multiple of the world size, so the
   last ranks' blocks may run into the padding (ZeRO's flat shards, as FSDP1 pads them).
 
+:func:`local_rows` is :func:`even_block` applied to a batch: this rank's rows of a global batch
+(chapters 9, 9b, 13: every data-parallel dimension takes its rows this way).
+
 :func:`group_rank_size` and :func:`barrier` also work outside a process group, as the one rank of
-a world of one, so that the same rank function runs in a single process.
+a world of one, so that the same rank function runs in a single process; :func:`device` is the
+rank's device (every chapter's rank functions put their tensors there; also
+``dmlbook.launch.device``).
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
     "balanced_blocks",
     "barrier",
+    "device",
     "even_block",
     "group_rank_size",
+    "local_rows",
     "padded_block",
     "padded_size",
 ]
@@ -37,6 +45,13 @@ def group_rank_size(group=None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def device() -> torch.device:
+    """This rank's device: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def barrier(group=None) -> None:
@@ -65,6 +80,23 @@ def even_block(size: int, *, rank: int, world_size: int, what: str = "size") -> 
         )
     block = size // world_size
     return rank * block, (rank + 1) * block
+
+
+def local_rows(batch, group=None):
+    """This rank's equal share of the rows (dimension 0) of ``batch``: a tensor, or a tuple of
+    tensors with as many rows each (``(inputs, targets)``; a named tuple keeps its type). The
+    rows must divide over ``group``'s ranks (a ValueError says so, as :func:`even_block` does);
+    outside a process group it is the whole batch."""
+    rank, world = group_rank_size(group)
+    parts = batch if isinstance(batch, tuple) else (batch,)
+    rows = {len(part) for part in parts}
+    if len(rows) != 1:
+        raise ValueError(f"the parts of a batch must have as many rows each, got {sorted(rows)}")
+    start, stop = even_block(rows.pop(), rank=rank, world_size=world, what="batch rows")
+    mine = [part[start:stop] for part in parts]
+    if not isinstance(batch, tuple):
+        return mine[0]
+    return type(batch)(*mine) if hasattr(batch, "_fields") else tuple(mine)
 
 
 def balanced_blocks(size: int, parts: int) -> list[tuple[int, int]]:

@@ -32,31 +32,38 @@ from dmlbook.data_parallel.ddp import (
     assign_buckets,
 )
 from dmlbook.data_parallel.loop import (
-    Batch,
     Callback,
+    ForwardBackward,
     History,
+    LocalBatch,
     LoopState,
+    NoSync,
+    TrainConfig,
     linear_scaling,
     sharded_accuracy,
     strided_batches,
     train,
     train_loop,
+    train_reference,
     warmup,
 )
 from dmlbook.models import accuracy
 
 __all__ = [
-    "Batch",
     "BucketedDDP",
     "Callback",
     "CommStats",
     "DistributedDataParallel",
     "GradBucket",
     "GradientAveraging",
+    "ForwardBackward",
     "History",
+    "LocalBatch",
     "LoopState",
     "ModelAveraging",
     "NaiveDDP",
+    "NoSync",
+    "TrainConfig",
     "accuracy",
     "assign_buckets",
     "average_gradients",
@@ -68,5 +75,6 @@ __all__ = [
     "strided_batches",
     "train",
     "train_loop",
+    "train_reference",
     "warmup",
 ]

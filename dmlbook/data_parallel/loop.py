@@ -9,10 +9,18 @@
   timeline and re-partitioned batches; chapter 12's time slices and slow ranks. The loop itself
   stays the single-process loop plus one ``sync`` call: at world size 1, outside any process
   group, it *is* the single-process reference.
-* A batch plan is any iterable of :class:`Batch`: which samples this rank takes at each step.
+* A batch plan is any iterable of :class:`LocalBatch` (which samples of ``x, y`` this rank takes
+  at each step) or of :class:`~dmlbook.models.Batch` (the tensors themselves).
   :func:`strided_batches` is chapter 1's: because :func:`~dmlbook.datasets.shard_indices` splits
   each epoch's permutation with a stride, the ranks' t-th local batches together are exactly
   the t-th global batch of the single-process run.
+* The *step hook* (:class:`ForwardBackward`) is what a step computes: this rank's loss on its
+  batch and the gradients. The default is :func:`~dmlbook.models.batch_loss` and one backward;
+  a strategy whose step is not that (a pipeline schedule, ZeRO's sharded forward, a tensor-
+  parallel model) passes its own, and keeps the loop, its callbacks and its records.
+* :func:`train_reference` is the one single-process reference trainer: the loop at world size
+  one on whole batches, which every parallel trainer is tested against (chapters 7, 9, 9b, 11,
+  13).
 * :func:`train` is chapter 1's entry point: SGD with a learning-rate rule on the loop, a progress
   bar on rank 0, test accuracy by :func:`sharded_accuracy` (each rank scores its share, one
   all-reduce adds up the counts). It also takes a DDP wrapper (chapter 3's or torch's).
@@ -22,6 +30,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,18 +47,22 @@ from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel.averaging import GradientAveraging, ModelAveraging, broadcast_parameters
 from dmlbook.data_parallel.ddp import _DataParallel
 from dmlbook.datasets import shard_indices
-from dmlbook.models import accuracy, count_correct
+from dmlbook.models import Batch, accuracy, batch_loss, count_correct
 
 __all__ = [
-    "Batch",
     "Callback",
+    "ForwardBackward",
     "History",
+    "LocalBatch",
     "LoopState",
+    "NoSync",
+    "TrainConfig",
     "linear_scaling",
     "sharded_accuracy",
     "strided_batches",
     "train",
     "train_loop",
+    "train_reference",
     "warmup",
 ]
 
@@ -58,8 +71,9 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Batch:
-    """One step's samples on this rank, and where the step stands in its epoch."""
+class LocalBatch:
+    """One step's samples on this rank (indices into the loop's ``x, y``), and where the step
+    stands in its epoch."""
 
     epoch: int
     index: int  # the step's position within its epoch (0 for the epoch's first batch)
@@ -83,7 +97,7 @@ class LoopState:
     rank: int
     world_size: int
     step: int = 0  # optimizer steps taken since training began (the global step)
-    batch: Batch | None = None  # the batch of the step under way, or of the last one
+    batch: LocalBatch | Batch | None = None  # the plan's entry of the step under way, or last
     loss: torch.Tensor | None = None  # this rank's loss of that step (detached after the step)
     losses: list[float] = field(default_factory=list)  # this rank's loss at each step it ran
     callbacks: list = field(default_factory=list, repr=False)
@@ -101,7 +115,7 @@ class Callback:
         """Before the first batch."""
 
     def on_step_start(self, state: LoopState) -> None:
-        """A step begins; ``state.batch`` is its batch."""
+        """A step begins; ``state.batch`` is its plan entry (its rows are loaded next)."""
 
     def inputs(self, state: LoopState, x: torch.Tensor) -> torch.Tensor:
         """This rank's inputs of the step, transformed (e.g. augmented) before the forward."""
@@ -126,8 +140,9 @@ class Callback:
         """The last batch is done and the sync scheme has finished."""
 
 
-class _AveragedInBackward:
-    """The sync scheme of a DDP wrapper: it averaged the gradients during backward already."""
+class NoSync:
+    """The sync scheme for gradients that are already synchronised: by a DDP wrapper during
+    backward, by a step hook (ZeRO's reduce-scatter), or because there is one process."""
 
     def after_backward(self, model: nn.Module, step: int, group=None) -> None:
         pass
@@ -135,41 +150,76 @@ class _AveragedInBackward:
     after_step = finish = after_backward
 
 
+class ForwardBackward:
+    """The loop's step hook: this rank's loss on its batch, and the gradients of it.
+
+    The loop calls ``hook(state, batch)`` once a step, after ``zero_grad`` and before the
+    ``after_backward`` callbacks, the sync scheme and the optimizer step; ``batch`` is the
+    step's :class:`~dmlbook.models.Batch` (already transformed by the callbacks' ``inputs``).
+    It returns the loss to record (None on a rank that holds none, e.g. a pipeline's first
+    stage). This default is :func:`~dmlbook.models.batch_loss` and one ``backward``. Override
+    :meth:`loss` to change how the loss is computed, or ``__call__`` to run a whole different
+    step (a pipeline schedule); any callable ``(state, batch) -> loss`` will do.
+    """
+
+    def __init__(self, loss_fn: Callable | None = F.cross_entropy) -> None:
+        self.loss_fn = loss_fn  # None: the model brings its own loss (CharGPT)
+
+    def loss(self, state: LoopState, batch: Batch) -> torch.Tensor:
+        """This rank's loss: its mean, or its share of the global mean when the plan's entry
+        names the ``global_size`` of the global batch (local batches of different sizes)."""
+        global_size = getattr(state.batch, "global_size", None)
+        if global_size is None:
+            return batch_loss(state.model, batch, self.loss_fn)  # this rank's mean
+        if self.loss_fn is None:
+            raise ValueError("a plan with global_size needs a loss_fn that takes reduction=")
+        total = batch_loss(state.model, batch, partial(self.loss_fn, reduction="sum"))
+        return total / global_size  # this rank's share of the global batch's mean
+
+    def __call__(self, state: LoopState, batch: Batch) -> torch.Tensor | None:
+        loss = self.loss(state, batch)  # compute
+        loss.backward()  # compute (and, in a DDP wrapper, communication)
+        return loss
+
+
 def train_loop(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    batches: Iterable[Batch],
+    x: torch.Tensor | None,
+    y: torch.Tensor | None,
+    batches: Iterable[LocalBatch | Batch],
     *,
     sync=None,
-    loss_fn: Callable = F.cross_entropy,
     callbacks: Sequence[Callback] = (),
     step: int = 0,
     group=None,
+    forward_backward: Callable[[LoopState, Batch], torch.Tensor | None] | None = None,
 ) -> LoopState:
-    """Train ``model`` on the batches of ``batches``: the one data-parallel loop (chapter 1).
+    """Train ``model`` on the batches of ``batches``: the one training loop (chapter 1).
 
-    ``sync`` is the model synchronisation (:class:`GradientAveraging` by default; a DDP wrapper
-    syncs in backward, so pass none). ``step`` is the global step to count from, for a run that
-    resumes. A step that raises (a callback's hook included) calls every callback's ``on_fault``
-    and then raises on.
+    ``x, y`` are the data that :class:`LocalBatch` entries index (None for a plan of
+    :class:`~dmlbook.models.Batch` tensors). ``sync`` is the model synchronisation
+    (:class:`GradientAveraging` by default; a DDP wrapper syncs in backward, so pass none).
+    ``forward_backward`` is the step hook (:class:`ForwardBackward`: cross entropy by default).
+    ``step`` is the global step to count from, for a run that resumes. A step that raises (a
+    callback's hook included) calls every callback's ``on_fault`` and then raises on.
     """
     rank, world = group_rank_size(group)
     if isinstance(model, _DataParallel | TorchDDP):
         if sync is not None:
             name = type(model).__name__
             raise ValueError(f"a {name} averages gradients in backward: pass no sync")
-        sync = _AveragedInBackward()
+        sync = NoSync()
     sync = GradientAveraging() if sync is None else sync
+    forward_backward = ForwardBackward() if forward_backward is None else forward_backward
     state = LoopState(model, optimizer, group, rank, world, step, callbacks=list(callbacks))
     state.emit("on_train_start")
     for batch in batches:
         state.batch = batch
         try:
-            _step(state, x, y, sync, loss_fn)
+            _step(state, x, y, sync, forward_backward)
             state.emit("on_step")
-            if batch.last_in_epoch:
+            if getattr(batch, "last_in_epoch", False):
                 state.emit("on_epoch")
         except BaseException as error:
             state.emit("on_fault", error)
@@ -179,28 +229,55 @@ def train_loop(
     return state
 
 
-def _step(state: LoopState, x: torch.Tensor, y: torch.Tensor, sync, loss_fn: Callable) -> None:
-    """One step: compute, communicate, update."""
-    model, batch = state.model, state.batch
+def _tensors(entry: LocalBatch | Batch, x, y) -> Batch:
+    """The step's tensors: the rows a :class:`LocalBatch` names, or the entry itself."""
+    if isinstance(entry, LocalBatch):
+        if x is None or y is None:
+            raise ValueError("a plan of LocalBatch (sample indices) needs the data x and y")
+        return Batch(x[entry.samples], y[entry.samples])
+    inputs, targets = entry
+    return Batch(inputs, targets)
+
+
+def _step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
+    """One step: load, compute, communicate, update."""
+    model = state.model
     state.emit("on_step_start")
-    inputs = x[batch.samples]
+    batch = _tensors(state.batch, x, y)  # data loading: this rank's rows
+    inputs = batch.inputs
     for callback in state.callbacks:
         inputs = callback.inputs(state, inputs)
-    out = model(inputs)  # compute
-    if batch.global_size is None:
-        loss = loss_fn(out, y[batch.samples])  # this rank's mean
-    else:  # this rank's share of the global batch's mean
-        loss = loss_fn(out, y[batch.samples], reduction="sum") / batch.global_size
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad()  # set_to_none (torch >= 2); a ZeRO wrapper may stand in
+    loss = forward_backward(state, Batch(inputs, batch.targets))  # compute (the step hook)
     state.loss = loss
-    loss.backward()  # compute (and, in a DDP wrapper, communication)
     state.emit("after_backward")
     sync.after_backward(model, state.step, state.group)  # communication (synchronous SGD)
     state.optimizer.step()
     sync.after_step(model, state.step, state.group)  # communication (model averaging)
     state.step += 1
-    state.loss = loss.detach()
-    state.losses.append(loss.item())
+    state.loss = None if loss is None else loss.detach()
+    state.losses.append(math.nan if loss is None else loss.item())
+
+
+def train_reference(
+    make_model: Callable[[], nn.Module],
+    batches: Iterable[Batch],
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
+    lr: float = 1e-2,
+    loss_fn: Callable | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> LoopState:
+    """The single-process reference every parallel trainer is tested against (chapters 7, 9,
+    9b, 11, 13): ``make_model()`` trained by ``optimizer(params, lr=lr)`` on each whole
+    :class:`~dmlbook.models.Batch`, one step each, by :func:`train_loop` with no sync. The loss
+    is :func:`~dmlbook.models.batch_loss` with ``loss_fn`` (None: the model's own loss). Returns
+    the loop's state: ``state.model`` trained, ``state.losses`` per step. It never
+    communicates, so a rank of a process group may run it too."""
+    model = make_model()
+    opt = optimizer(model.parameters(), lr=lr)
+    return train_loop(model, opt, None, None, batches, sync=NoSync(), callbacks=callbacks,
+                      forward_backward=ForwardBackward(loss_fn))  # fmt: skip
 
 
 def strided_batches(
@@ -212,7 +289,7 @@ def strided_batches(
     epochs: int,
     seed: int = 0,
     start: tuple[int, int] = (0, 0),
-) -> Iterable[Batch]:
+) -> Iterable[LocalBatch]:
     """Chapter 1's batch plan: ``epochs`` epochs of global batches of ``global_batch`` samples,
     rank ``rank`` taking every ``world_size``-th sample of each (see
     :func:`~dmlbook.datasets.shard_indices`). Incomplete global batches are dropped. ``start``
@@ -227,13 +304,15 @@ def strided_batches(
     return _strided(samples, global_batch, rank, world_size, epochs, seed, start)
 
 
-def _strided(samples, global_batch, rank, world_size, epochs, seed, start) -> Iterable[Batch]:
+def _strided(samples, global_batch, rank, world_size, epochs, seed, start) -> Iterable[LocalBatch]:
     local, per_epoch = global_batch // world_size, samples // global_batch
     for epoch in range(start[0], epochs):
         shard = shard_indices(samples, rank, world_size, shuffle=True, seed=seed, epoch=epoch)
         for t in range(start[1] if epoch == start[0] else 0, per_epoch):
             part = shard[t * local : (t + 1) * local]  # this rank's part of global batch t
-            yield Batch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch)
+            yield LocalBatch(
+                epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch
+            )
 
 
 # --------------------------------------------------------------------------- chapter 1's train
@@ -300,38 +379,49 @@ class _Chapter1(Callback):
         self.bar.close()
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """What fixes a run of :func:`train`, apart from the model, the data and the sync scheme."""
+
+    global_batch: int  # samples per step, summed over the ranks
+    lr: float | Callable[[int], float]  # a number, or a function of the step (warm-up)
+    epochs: int = 1
+    seed: int = 0  # the epochs' shuffles
+    momentum: float = 0.0  # SGD's
+    eval_every: int = 0  # steps between two test-accuracy evaluations (0: none)
+    progress: bool = False  # a progress bar on rank 0
+
+
 def train(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
+    config: TrainConfig,
     *,
-    global_batch: int,
-    lr: float | Callable[[int], float],
-    epochs: int = 1,
-    seed: int = 0,
     sync: GradientAveraging | ModelAveraging | None = None,
-    momentum: float = 0.0,
     test: tuple[torch.Tensor, torch.Tensor] | None = None,
-    eval_every: int = 0,
     loss_fn: Callable = F.cross_entropy,
     group=None,
-    progress: bool = False,
 ) -> History:
     """Data-parallel SGD on this rank's shard of ``(x, y)``; single-process SGD at world size 1.
 
-    ``global_batch`` is summed over the ranks, so each rank takes ``global_batch // world``
-    samples a step. ``lr`` is a number or a function of the step: for a larger global batch,
+    ``config`` (:class:`TrainConfig`) fixes the run. Its ``global_batch`` is summed over the
+    ranks, so each rank takes ``global_batch // world`` samples a step. Its ``lr`` is a number or
+    a function of the step: for a larger global batch,
     ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``.
 
     ``model`` may be a DDP wrapper (:class:`BucketedDDP`, :class:`NaiveDDP` or torch's
     ``DistributedDataParallel``, chapter 3): it averages the gradients during backward, so the
-    loop adds no ``sync``. ``progress`` shows a progress bar on rank 0. Test accuracy is
+    loop adds no ``sync``. Test accuracy on ``test``, every ``config.eval_every`` steps, is
     :func:`sharded_accuracy`, except under ``ModelAveraging``, whose ranks hold different
     models between averages: there each rank scores its own model on the whole test set.
     """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a dp.TrainConfig, got {type(config).__name__}")
+    global_batch, lr, epochs = config.global_batch, config.lr, config.epochs
     rank, world = group_rank_size(group)
     batches = strided_batches(
-        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=seed
+        len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=config.seed
     )
     if not isinstance(model, _DataParallel | TorchDDP):
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
@@ -339,11 +429,11 @@ def train(
     lr_at = lr if callable(lr) else (lambda step: lr)
     history = History()
     steps = epochs * (len(x) // global_batch)
-    bar = tqdm(total=steps, disable=not progress or rank != 0, desc="train")
-    chapter1 = _Chapter1(history, lr_at, test, eval_every, score, bar)
-    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=momentum)
-    train_loop(model, opt, x, y, batches, sync=sync, loss_fn=loss_fn, callbacks=[chapter1],
-               group=group)  # fmt: skip
+    bar = tqdm(total=steps, disable=not config.progress or rank != 0, desc="train")
+    chapter1 = _Chapter1(history, lr_at, test, config.eval_every, score, bar)
+    opt = torch.optim.SGD(model.parameters(), lr=lr_at(0), momentum=config.momentum)
+    train_loop(model, opt, x, y, batches, sync=sync, callbacks=[chapter1], group=group,
+               forward_backward=ForwardBackward(loss_fn))  # fmt: skip
     return history
 
 

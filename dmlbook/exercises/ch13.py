@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from dmlbook.advanced.composition.layout import Layout
 from dmlbook.advanced.context_parallel import merge
-from dmlbook.advanced.layout import Layout
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
 __all__ = ["check_all_to_all_dispatch", "check_mesh_groups", "check_online_softmax_merge"]
@@ -176,7 +176,8 @@ def _order_hint(mine: list[list[int]], want: list[list[int]]) -> str:
 @checker("mesh_groups")
 def check_mesh_groups(fn: Callable[[int, int, int, int], dict]) -> str:
     """Check ``fn(pp, dp, cp, tp)`` returns every dimension's groups on the (pp, dp, cp, tp)
-    grid, tp fastest, as :meth:`dmlbook.advanced.layout.Layout.group_ranks` builds them."""
+    grid, tp fastest, as :meth:`dmlbook.advanced.composition.layout.Layout.group_ranks` builds
+    them."""
     for pp, dp, cp, tp in _mesh_cases():
         call = f"your groups(pp={pp}, dp={dp}, cp={cp}, tp={tp})"
         with learner_code(call):

@@ -3,7 +3,8 @@
 Chapter 6 ("Pipeline input and layer split") cuts a model this way before it pipelines it:
 ``layers_of`` lists a model's layers, ``even_partition`` says how many go to each stage and
 ``split_model`` cuts them into ``nn.Sequential`` stages whose parameters stay shared with the
-model. Stage ``s`` lives on rank ``s``; ``gpt_loss`` is the last stage's loss for CharGPT.
+model. Stage ``s`` lives on rank ``s``; :func:`~dmlbook.models.next_token_loss` (the model
+contract's loss) is the last stage's loss for CharGPT.
 
 Chapter 5 estimates and measures each stage's memory with the same cut
 (:mod:`dmlbook.model_parallel.memory`), chapter 7 trains and serves the stages
@@ -18,12 +19,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dmlbook.model_parallel.schedules import _check_sizes
-from dmlbook.models import CNN, MLP, CharGPT
+from dmlbook.models import CNN, MLP, CharGPT, next_token_loss
 
-__all__ = ["even_partition", "gpt_loss", "layers_of", "split_model"]
+__all__ = ["even_partition", "layers_of", "next_token_loss", "split_model"]
 
 
 class _CharGPTEmbedding(nn.Module):
@@ -91,11 +91,6 @@ def split_model(layers: Sequence[nn.Module], counts: Sequence[int]) -> list[nn.S
         stages.append(nn.Sequential(*layers[start : start + count]))
         start += count
     return stages
-
-
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """CharGPT's loss from the last stage's logits (B, T, V): cross entropy over all B*T tokens."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):

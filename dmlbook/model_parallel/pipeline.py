@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.model_parallel.layer_split import even_partition, gpt_loss, layers_of, split_model
+from dmlbook.model_parallel.layer_split import (
+    even_partition,
+    layers_of,
+    next_token_loss,
+    split_model,
+)
 from dmlbook.model_parallel.schedules import (
     SCHEDULES,
     Action,
@@ -64,7 +69,7 @@ __all__ = [
     "even_partition",
     "format_schedule",
     "gpipe_schedule",
-    "gpt_loss",
+    "next_token_loss",
     "inference_schedule",
     "layers_of",
     "measured_bubble",
@@ -142,7 +147,7 @@ class PipelineStage:
         if not 0 <= stage < stages:
             raise ValueError(f"stage must be in 0..{stages - 1}, got {stage}")
         if device is None:
-            from dmlbook.launch import device as rank_device
+            from dmlbook.comm.groups import device as rank_device
 
             device = rank_device()
         self.device = torch.device(device)

@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.cpu_wait import cores_are_free, cpu_wait_in_burst, cpu_wait_s
+from dmlbook.data_parallel.loop import Callback, LoopState
+from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.datasets import char_blocks
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel.layer_split import _stage_of
 from dmlbook.model_parallel.pipeline_serving import ServeResult, serve_pipelined, serve_reference
+from dmlbook.models import Batch, next_token_loss
 
 __all__ = [
     "PipelinedTrainer",
@@ -68,8 +70,6 @@ __all__ = [
     "with_weights",
 ]
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
-
 
 @dataclass
 class TrainResult:
@@ -91,11 +91,6 @@ class TrainResult:
 
 
 # ---- Helpers ----------------------------------------------------------------------------------
-
-
-def next_token_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy for classifier outputs (N, C) and for language-model logits (B, T, V)."""
-    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
 
 
 def _named_state(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -263,6 +258,20 @@ def train_pipelined(
     return trainer.result()
 
 
+class _StepTimes(Callback):
+    """Seconds per step, from the step's start to the end of its optimizer step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.start = 0.0
+
+    def on_step_start(self, state: LoopState) -> None:
+        self.start = time.perf_counter()
+
+    def on_step(self, state: LoopState) -> None:
+        self.times.append(time.perf_counter() - self.start)
+
+
 def train_reference(
     model_fn: Callable[[], nn.Module],
     batches: Sequence[Batch],
@@ -271,25 +280,16 @@ def train_reference(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
 ) -> TrainResult:
-    """The single-process loop that :func:`train_pipelined` must equal: the model's own forward,
-    one backward of the batch's mean loss, one optimizer step."""
+    """What :func:`train_pipelined` must equal: the one reference trainer
+    (:func:`dmlbook.data_parallel.loop.train_reference`) on the same batches, each step timed."""
     steps = _check_training(batches, steps)
-    model = model_fn()
-    opt = optimizer(model.parameters(), lr=lr)
-    losses, times = [], []
-    for step in range(steps):
-        inputs, targets = _batch_for(batches, step)
-        start = time.perf_counter()
-        opt.zero_grad()
-        outputs = model(inputs)
-        outputs = outputs[0] if isinstance(outputs, tuple) else outputs  # CharGPT: (logits, loss)
-        loss = loss_fn(outputs, targets)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+    timer = _StepTimes()
+    plan = (_batch_for(batches, step) for step in range(steps))
+    done = _reference_loop(model_fn, plan, optimizer=optimizer, lr=lr, loss_fn=loss_fn,
+                           callbacks=[timer])  # fmt: skip
+    model = done.model
     n_layers = len(pp.layers_of(model))
-    return TrainResult(0, [n_layers], losses, times, _named_state(model, model))
+    return TrainResult(0, [n_layers], done.losses, timer.times, _named_state(model, model))
 
 
 # ---- Fine-tuning ----------------------------------------------------------------------------

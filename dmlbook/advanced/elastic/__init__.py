@@ -60,8 +60,8 @@ from dmlbook.advanced.elastic.training import (
     epoch_order,
     lr_for,
     rank_batch,
-    train_reference,
     train_worker,
+    uninterrupted_run,
 )
 from dmlbook.launch import free_port  # chapter 11 calls el.free_port
 
@@ -84,6 +84,6 @@ __all__ = [
     "samples_trained",
     "serve_elastic",
     "torchrun_command",
-    "train_reference",
+    "uninterrupted_run",
     "train_worker",
 ]

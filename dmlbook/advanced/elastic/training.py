@@ -10,6 +10,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +19,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dmlbook.comm.groups import balanced_blocks
 from dmlbook.data_parallel import (
-    Batch,
     Callback,
     GradientAveraging,
+    LocalBatch,
     LoopState,
     accuracy,
     linear_scaling,
     train_loop,
+    train_reference,
 )
 from dmlbook.data_parallel import checkpoint as ckpt
 from dmlbook.datasets import load_digits, shard_indices
-from dmlbook.models import mlp
+from dmlbook.models import Batch, mlp
 
 # --------------------------------------------------------------------------- the timeline
 
@@ -82,8 +85,8 @@ def rank_batch(
     if local_batch < 1 or not 0 <= position < len(order):
         raise ValueError(f"need local_batch >= 1 and 0 <= position < {len(order)}")
     batch = order[position : position + local_batch * world_size]
-    cuts = [len(batch) * r // world_size for r in range(world_size + 1)]
-    return list(batch[cuts[rank] : cuts[rank + 1]])
+    start, stop = balanced_blocks(len(batch), world_size)[rank]  # sizes differ by one at most
+    return list(batch[start:stop])
 
 
 def lr_for(world_size: int, *, base_lr: float, base_batch: int, local_batch: int) -> float:
@@ -174,7 +177,7 @@ def elastic_batches(
     world_size: int,
     epochs: int,
     start: tuple[int, int] = (0, 0),
-) -> Iterable[Batch]:
+) -> Iterable[LocalBatch]:
     """Chapter 11's batch plan for :func:`~dmlbook.data_parallel.loop.train_loop`: each global
     batch is the next ``local_batch * world_size`` samples of the epoch's order (fewer at its
     end), re-partitioned over *this* world size by :func:`rank_batch`; each rank's loss is its
@@ -185,12 +188,12 @@ def elastic_batches(
         while position < len(order):
             size = min(local_batch * world_size, len(order) - position)
             idx = rank_batch(order, position, local_batch, rank, world_size)
-            yield Batch(epoch, index, idx, last_in_epoch=position + size == len(order),
+            yield LocalBatch(epoch, index, idx, last_in_epoch=position + size == len(order),
                         offset=position, global_size=size)  # fmt: skip
             position, index = position + size, index + 1
 
 
-def _position_after(batch: Batch) -> dict:
+def _position_after(batch: LocalBatch) -> dict:
     """Where the next step starts, in samples of its epoch: the next epoch once one is used up."""
     return {"position": 0 if batch.last_in_epoch else batch.offset + batch.global_size}
 
@@ -310,31 +313,33 @@ def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) ->
     return result
 
 
-def train_reference(config: ElasticConfig, world_size: int) -> tuple[nn.Module, list[float]]:
+def uninterrupted_run(config: ElasticConfig, world_size: int) -> tuple[nn.Module, list[float]]:
     """The uninterrupted run at ``world_size``, in one process: the same global batches, the same
-    LR, the mean gradient computed at once. Returns the model and the loss at every step."""
+    LR, the mean gradient computed at once (the one reference trainer,
+    :func:`~dmlbook.data_parallel.loop.train_reference`). Returns the model and the loss at
+    every step."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny MLP: threads only wait for each other on a busy machine
     try:
-        return _train_reference(config, world_size)
+        x, y = load_digits("train")
+        lr = lr_for(world_size, base_lr=config.base_lr, base_batch=config.base_batch,
+                    local_batch=config.local_batch)  # fmt: skip
+        done = train_reference(
+            lambda: mlp(seed=config.seed),
+            _global_batches(x, y, config, config.local_batch * world_size),
+            optimizer=partial(torch.optim.SGD, momentum=config.momentum),
+            lr=lr,
+            loss_fn=F.cross_entropy,
+        )
+        return done.model, done.losses
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_reference(config: ElasticConfig, world_size: int) -> tuple[nn.Module, list[float]]:
-    x, y = load_digits("train")
-    model = mlp(seed=config.seed)
-    lr = lr_for(world_size, base_lr=config.base_lr, base_batch=config.base_batch,
-                local_batch=config.local_batch)  # fmt: skip
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
-    losses, global_batch = [], config.local_batch * world_size
+def _global_batches(x, y, config: ElasticConfig, global_batch: int) -> Iterable[Batch]:
+    """Every epoch's order cut into global batches (the last of an epoch may be shorter)."""
     for epoch in range(config.epochs):
         order = epoch_order(len(x), config.seed, epoch)
         for start in range(0, len(order), global_batch):
             idx = order[start : start + global_batch]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    return model, losses
+            yield Batch(x[idx], y[idx])

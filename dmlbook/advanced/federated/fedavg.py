@@ -28,8 +28,8 @@ from dmlbook.advanced.federated.splits import (
     sample_clients,
 )
 from dmlbook.comm import collectives
+from dmlbook.comm.groups import device
 from dmlbook.datasets import load_digits
-from dmlbook.launch import device
 
 
 def local_sgd(

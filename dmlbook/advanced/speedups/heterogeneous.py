@@ -16,9 +16,9 @@ from torch import nn
 from dmlbook.advanced.speedups.jobs import Job, _check_steps
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel import (
-    Batch,
     Callback,
     GradientAveraging,
+    LocalBatch,
     LoopState,
     broadcast_parameters,
     train_loop,
@@ -98,7 +98,7 @@ class _Throttle(Callback):
 
 def union_batches(
     samples: int, split: Sequence[int], rank: int, steps: int, seed: int, weighted: bool = True
-) -> Iterable[Batch]:
+) -> Iterable[LocalBatch]:
     """Chapter 12's batch plan: step t's global batch is the t-th ``sum(split)`` samples of the
     epoch's shuffle, and rank r takes ``split[r]`` of them. ``weighted`` makes each rank's loss
     its share of the global mean (the sum over ranks is then the single-process gradient);
@@ -109,7 +109,7 @@ def union_batches(
         epoch, t = divmod(step, per_epoch)
         order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
         part = order[t * global_batch + offset : t * global_batch + offset + split[rank]]
-        yield Batch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch,
+        yield LocalBatch(epoch, t, part, last_in_epoch=t + 1 == per_epoch, offset=t * global_batch,
                     global_size=global_batch if weighted else None)  # fmt: skip
 
 

@@ -41,6 +41,18 @@ stage 3 its parameters are gathered meanwhile); :func:`paper_bytes` is the formu
 writes it, which leaves such temporary buffers out. The notebook
 ``chapters/09b_zero_sharding.ipynb`` ("Beyond the book: ZeRO and FSDP") uses this module, and
 checks it against FSDP2.
+
+ZeRO-1 is here twice, both worth teaching; per step, on N ranks, for P parameters (counted):
+
+* flat (:class:`ZeroStage1`, DeepSpeed's): the flattened units cut at any element, so each rank
+  holds ``ceil(numel / N)`` of every unit (at most N - 1 padding elements each); traffic is a
+  reduce-scatter plus an all-gather, ``2 (N - 1) / N x P`` elements, the same as plain data
+  parallelism's all-reduce; right only for an elementwise update (Adam's, SGD's);
+* whole-parameter (:class:`~dmlbook.advanced.zero.sharded_optimizer.ShardedOptimizer`, torch's
+  ``ZeroRedundancyOptimizer``): each rank owns whole parameters, so *any* ``torch.optim``
+  optimizer works unchanged; a rank may hold up to the mean plus one largest parameter; traffic
+  is the all-reduce plus one broadcast pass, ``3 (N - 1) / N x P`` (1.5x), one message per
+  parameter, and every rank still holds the whole gradient. Chapter 13's composition uses it.
 """
 
 from dmlbook.advanced.zero.accounting import (

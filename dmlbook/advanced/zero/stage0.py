@@ -219,7 +219,9 @@ class ZeroStage0(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers (they stay allocated: ``set_to_none`` is accepted,
+        as the one training loop passes it, and changes nothing)."""
         for unit in self._units:
             unit.full_grad.zero_()
 

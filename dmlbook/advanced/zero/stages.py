@@ -56,7 +56,7 @@ class ZeroStage2(ZeroStage1):
             for i, p in enumerate(unit.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self._units:
             unit.grad_shard.zero_()
 

@@ -1,14 +1,18 @@
 """Rank functions that train with ZeRO, and the references it must equal (chapter 9b).
 
 :func:`train` trains with a stage; :func:`ddp_train` is plain data parallelism (chapter 3's
-BucketedDDP or torch's DDP) with Adam; :func:`fsdp2_train` is torch's stage 3, FSDP2.
+BucketedDDP or torch's DDP) with Adam; :func:`fsdp2_train` is torch's stage 3, FSDP2. All three
+run the one training loop (:func:`~dmlbook.data_parallel.loop.train_loop`) on this rank's rows of
+each global batch (:func:`~dmlbook.comm.groups.local_rows`); what differs is the model wrapper
+and what syncs the gradients (the ZeRO wrapper and FSDP2 themselves, so the loop's sync is
+:class:`~dmlbook.data_parallel.loop.NoSync`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -16,16 +20,34 @@ from torch import nn
 
 from dmlbook.advanced.zero.stages import zero_data_parallel
 from dmlbook.comm import collectives as C  # a parameter below is named "collectives"
+from dmlbook.comm.groups import local_rows
+from dmlbook.data_parallel.loop import Callback, ForwardBackward, LoopState, NoSync, train_loop
+from dmlbook.models import Batch
 from dmlbook.optim import adam_update_
 
 
-def _local_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of a global batch (equal shares: the global batch must divide)."""
-    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if len(x) % size:
-        raise ValueError(f"global batch of {len(x)} does not split evenly over {size} ranks")
-    share = len(x) // size
-    return x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+def _local_batches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Batch]:
+    """This rank's rows of each global batch (equal shares: the global batch must divide)."""
+    return [local_rows(Batch(x, y)) for x, y in batches]
+
+
+class _MeasureLastStep(Callback):
+    """Before the last step: the ZeRO wrapper's memory meter and byte counts reset, and (with
+    ``record_sends``) every message its collectives send recorded until the step ends."""
+
+    def __init__(self, zero, steps: int, record_sends: bool) -> None:
+        self.zero, self.last, self.record_sends = zero, steps - 1, record_sends
+        self.stack, self.sent = ExitStack(), []
+
+    def on_step_start(self, state: LoopState) -> None:
+        if state.step == self.last:
+            self.zero.memory.reset()
+            self.zero.sent_bytes = dict.fromkeys(self.zero.sent_bytes, 0)
+            if self.record_sends:
+                self.sent = self.stack.enter_context(C.recording())
+
+    def on_step(self, state: LoopState) -> None:
+        self.stack.close()  # the last step's recording ends with its optimizer step
 
 
 def train(
@@ -42,30 +64,20 @@ def train(
     memory (and every sample), the unit sizes and the bytes this rank passed to (and, with
     ``record_sends``, actually sent through) the collectives in the last step."""
     zero = zero_data_parallel(make_model(), stage, lr=lr, collectives=collectives)
-    losses, sends = [], []
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        if last:
-            zero.memory.reset()
-            zero.sent_bytes = dict.fromkeys(zero.sent_bytes, 0)
-        xs, ys = _local_batch(x, y)
-        zero.zero_grad()
-        recording = C.recording() if record_sends and last else nullcontext([])
-        with recording as sent:
-            loss = loss_fn(zero(xs), ys)
-            loss.backward()
-            zero.step()
-        sends = [s.nbytes for s in sent]
-        losses.append(loss.item())
+    meter = _MeasureLastStep(zero, len(batches), record_sends)
+    # The wrapper is the model and its own optimizer: it averages the gradients in backward or
+    # in its step, so the loop syncs nothing.
+    state = train_loop(zero, zero, None, None, _local_batches(batches), sync=NoSync(),
+                       callbacks=[meter], forward_backward=ForwardBackward(loss_fn))  # fmt: skip
     passed = dict(zero.sent_bytes)  # before full_parameters() gathers once more
     return {
         "parameters": zero.full_parameters(),
-        "losses": losses,
+        "losses": state.losses,
         "peak": zero.memory.peak,
         "samples": list(zero.memory.samples),
         "unit_sizes": zero.unit_sizes,
         "passed_bytes": passed,
-        "sent_bytes": sum(sends),
+        "sent_bytes": sum(s.nbytes for s in meter.sent),
     }
 
 
@@ -92,11 +104,9 @@ def ddp_train(
 
         ddp = BucketedDDP(model) if dist.is_initialized() else model
         optimizer = _PlainAdam(list(model.parameters()), lr)
-    for x, y in batches:
-        xs, ys = _local_batch(x, y)
-        optimizer.zero_grad()
-        loss_fn(ddp(xs), ys).backward()
-        optimizer.step()
+    sync = None if ddp is not model else NoSync()  # a DDP wrapper syncs during backward
+    train_loop(ddp, optimizer, None, None, _local_batches(batches), sync=sync,
+               forward_backward=ForwardBackward(loss_fn))  # fmt: skip
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -107,7 +117,7 @@ class _PlainAdam:
         self.params, self.lr, self.steps = params, lr, 0
         self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
@@ -135,13 +145,17 @@ def fsdp2_train(
             fully_shard(module)
     fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for x, y in batches:
-        xs, ys = _local_batch(x, y)
-        optimizer.zero_grad()
-        with warnings.catch_warnings():  # a caution that in-place ops on an output that is a
-            # view would skip the pre-backward gather; the models here do none
-            warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
-            output = model(xs)
-        loss_fn(output, ys).backward()  # FSDP2 reduce-scatters the averaged gradient
-        optimizer.step()
+    # FSDP2 reduce-scatters the averaged gradient in backward: the loop syncs nothing.
+    train_loop(model, optimizer, None, None, _local_batches(batches), sync=NoSync(),
+               forward_backward=_QuietFSDP2(loss_fn))  # fmt: skip
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+class _QuietFSDP2(ForwardBackward):
+    """The loop's default step, without FSDP2's caution that in-place ops on an output that is
+    a view would skip the pre-backward gather (the models here do none)."""
+
+    def loss(self, state: LoopState, batch: Batch) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+            return super().loss(state, batch)

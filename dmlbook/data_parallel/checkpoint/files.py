@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.comm.groups import barrier, group_rank_size
-from dmlbook.launch import device
+from dmlbook.comm.groups import barrier, device, group_rank_size
 from dmlbook.owners import Owner
 
 FORMAT = "dmlbook.data_parallel.checkpoint/1"

@@ -25,7 +25,7 @@ from dmlbook.data_parallel.checkpoint.files import (
     save,
     seed_all,
 )
-from dmlbook.data_parallel.loop import Batch, Callback, LoopState, strided_batches, train_loop
+from dmlbook.data_parallel.loop import Callback, LocalBatch, LoopState, strided_batches, train_loop
 
 
 class SimulatedCrash(RuntimeError):
@@ -48,7 +48,7 @@ class SimulateCrash(Callback):
             raise SimulatedCrash(f"rank {self.rank} crashed after step {self.at_step}, as asked")
 
 
-def progress_after(batch: Batch, step: int) -> Progress:
+def progress_after(batch: LocalBatch, step: int) -> Progress:
     """Where training stands after ``batch``, the ``step``-th step: the next batch to run."""
     if batch.last_in_epoch:
         return Progress(batch.epoch + 1, 0, step)

@@ -19,7 +19,7 @@ holds at most ``total / servers + largest tensor``, so one big layer can still m
 
 **Consistency.** A worker's *clock* is how many gradients it has pushed. A server answers a pull
 for clock ``c`` only when ``c - slowest <= bound``, where ``slowest`` is the lowest clock of any
-worker. ``train`` takes the consistency model as an object (``consistency=``, from
+worker. ``train`` takes the consistency model as an object (``PSConfig.consistency``, from
 :mod:`~dmlbook.data_parallel.ps.consistency`) that knows its ``bound`` and whether the server
 applies each gradient ``on_arrival``:
 
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ from dmlbook.data_parallel.ps.consistency import (
     Synchronous,
     _check_consistency,
 )
-from dmlbook.data_parallel.ps.messages import Traffic
+from dmlbook.data_parallel.ps.messages import Cluster, Traffic
 from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost, WorkerResult, global_losses
 from dmlbook.data_parallel.ps.server import _serve
 from dmlbook.data_parallel.ps.sharding import (
@@ -92,6 +93,7 @@ from dmlbook.data_parallel.ps.sharding import (
 from dmlbook.data_parallel.ps.worker import _plan, _work
 
 __all__ = [
+    "PSConfig",
     "Synchronous",
     "BoundedStaleness",
     "Asynchronous",
@@ -109,18 +111,25 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class PSConfig:
+    """What fixes a parameter-server run, apart from the model, the data and the loss."""
+
+    global_batch: int  # samples per step, summed over the workers
+    lr: float  # the servers' SGD learning rate
+    servers: int = 1  # ranks 0..servers-1 serve, the rest work
+    epochs: int = 1
+    consistency: Consistency = Synchronous()  # frozen: one shared default is safe
+    seed: int = 0  # the epochs' shuffles
+    sharding: str = "flat"  # "flat" (equal pieces of the flat vector) or "tensor" (whole tensors)
+
+
 def train(
     model_fn: Callable[[], nn.Module],
     x: torch.Tensor,
     y: torch.Tensor,
+    config: PSConfig,
     *,
-    servers: int = 1,
-    global_batch: int,
-    lr: float,
-    epochs: int = 1,
-    consistency: Consistency = Synchronous(),  # noqa: B008 (frozen: one shared default is safe)
-    seed: int = 0,
-    sharding: str = "flat",
     delay: Sequence[float] | None = None,
     loss_fn: Callable = F.cross_entropy,
     members: Sequence[Sequence[int]] | None = None,
@@ -142,6 +151,11 @@ def train(
             "ps.train runs on the ranks of a process group: call it inside "
             "dmlbook.launch.run(fn, servers + workers) or under torchrun"
         )
+    if not isinstance(config, PSConfig):
+        raise TypeError(f"config must be a ps.PSConfig, got {type(config).__name__}")
+    servers, global_batch, lr = config.servers, config.global_batch, config.lr
+    epochs = config.epochs
+    consistency, seed, sharding = config.consistency, config.seed, config.sharding
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_fn()
     sizes = [p.numel() for p in model.parameters()]
@@ -158,11 +172,11 @@ def train(
         raise ValueError(f"the {sum(sizes)} parameters leave a server empty with servers={servers}")
     # Parameter-server traffic is CPU tensors over gloo, also when the default backend is NCCL.
     comm = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    cfg = dict(servers=servers, workers=workers, ranges=ranges, comm=comm)
+    cluster = Cluster(servers=servers, workers=workers, ranges=ranges, comm=comm)
     if rank < servers:
-        return _serve(model, rank, lr, consistency, members, **cfg)
+        return _serve(model, rank, lr, consistency, members, cluster)
     plan = _plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
-    return _work(model, rank, x, y, plan, global_batch, delay, loss_fn, **cfg)
+    return _work(model, rank, x, y, plan, config, cluster, delay=delay, loss_fn=loss_fn)
 
 
 def _check_members(members, servers: int, workers: int, consistency, epochs: int) -> None:

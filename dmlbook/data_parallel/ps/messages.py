@@ -11,6 +11,16 @@ PULL, PUSH, DONE, LOST = 0, 1, 2, 3  # request kinds (LOST only on a server's ev
 REQUEST, GRADIENT, REPLY, PARAMS = 1, 2, 3, 4  # message tags: one stream of each kind per pair
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """Who serves and who works, which slices each server owns, and the group messages use."""
+
+    servers: int  # ranks 0..servers-1
+    workers: int  # ranks servers..servers+workers-1
+    ranges: list  # ranges[s]: the (start, stop) slices of the flat vector server s owns
+    comm: object = None  # the gloo group of the messages (None: the default group)
+
+
 @dataclass
 class Traffic:
     """Bytes this rank put on and took off the wire: tensor payloads and int64 headers."""

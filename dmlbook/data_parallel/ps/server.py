@@ -23,6 +23,7 @@ from dmlbook.data_parallel.ps.messages import (
     PUSH,
     REPLY,
     REQUEST,
+    Cluster,
     Traffic,
     _count_received,
     _send,
@@ -48,10 +49,9 @@ def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, co
         events.put((worker, torch.tensor([LOST, -1, -1]), e))
 
 
-def _serve(
-    model, rank, lr, consistency: Consistency, members, *, servers, workers, ranges, comm
-) -> ServerResult:
+def _serve(model, rank, lr, consistency: Consistency, members, cluster: Cluster) -> ServerResult:
     """Hold one shard, apply pushed gradients, answer pulls when the staleness bound allows."""
+    servers, workers, ranges, comm = cluster.servers, cluster.workers, cluster.ranges, cluster.comm
     start, traffic = time.perf_counter(), Traffic()
     mine = ranges[rank]
     shard = _take(parameters_to_vector(model.parameters()).detach(), mine)

@@ -14,15 +14,21 @@ from dmlbook.data_parallel.ps.results import ServerResult, WorkerResult
 SHARDINGS = ("flat", "tensor")
 
 
-def assign_shards(sizes: Sequence[int], servers: int) -> list[int]:
+def assign_shards(sizes: Sequence[int], servers: int, loads: list[int] | None = None) -> list[int]:
     """The server that owns each tensor: largest first, each to the least-loaded server so far.
 
     When a tensor is placed, the least-loaded server holds at most the mean load so far, so the
-    busiest server ends with at most ``sum(sizes) / servers + max(sizes)``.
+    busiest server ends with at most ``sum(sizes) / servers + max(sizes)``. ``loads``: what each
+    server holds already, updated in place, so that successive calls continue one partition
+    (chapter 9b's :func:`~dmlbook.advanced.zero.sharded_optimizer.partition_parameters` places
+    parameter group after parameter group this way).
     """
     if servers < 1:
         raise ValueError(f"servers must be >= 1, got {servers}")
-    load, owner = [0] * servers, [0] * len(sizes)
+    load = [0] * servers if loads is None else loads
+    if len(load) != servers:
+        raise ValueError(f"loads has {len(load)} entries, one per server needs {servers}")
+    owner = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties in model order
         s = min(range(servers), key=load.__getitem__)  # least loaded; lowest index on ties
         owner[i], load[s] = s, load[s] + sizes[i]

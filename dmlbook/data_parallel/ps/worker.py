@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from dmlbook.comm.groups import balanced_blocks
+from dmlbook.comm.groups import balanced_blocks, device
 from dmlbook.data_parallel.ps.messages import (
     DONE,
     GRADIENT,
@@ -17,13 +17,13 @@ from dmlbook.data_parallel.ps.messages import (
     PUSH,
     REPLY,
     REQUEST,
+    Cluster,
     _count_received,
     _send,
 )
 from dmlbook.data_parallel.ps.results import WorkerResult
 from dmlbook.data_parallel.ps.sharding import _load, _put, _take
 from dmlbook.datasets import shard_indices
-from dmlbook.launch import device
 
 
 def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
@@ -51,10 +51,11 @@ def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
             yield r, batch[start:stop]
 
 
-def _work(
-    model, rank, x, y, plan, global_batch, delay, loss_fn, *, servers, workers, ranges, comm
-) -> WorkerResult:
-    """Pull the model, compute a gradient on this worker's part of the batch, push it; repeat."""
+def _work(model, rank, x, y, plan, config, cluster: Cluster, *, delay, loss_fn) -> WorkerResult:
+    """Pull the model, compute a gradient on this worker's part of the batch, push it; repeat.
+    ``config`` is the run's :class:`~dmlbook.data_parallel.ps.PSConfig`."""
+    servers, ranges, comm = cluster.servers, cluster.ranges, cluster.comm
+    global_batch = config.global_batch
     start, me = time.perf_counter(), rank - servers
     result = WorkerResult(rank, me, steps=0)
     dev = device()

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dmlbook.launch import INSIDE_RUN
 from dmlbook.model_parallel.memory.estimate import format_bytes
 from dmlbook.model_parallel.memory.measure import cpu_peak_bytes, make_optimizer
 from dmlbook.model_parallel.memory.spec import OPTIMIZERS
+from dmlbook.runtime.errors import INSIDE_RUN
 
 # ---- A small device: a memory cap for one rank -------------------------------------------------
 

@@ -245,7 +245,7 @@ def measure_stage(
     def forward_backward() -> None:
         stage.train_step(
             idx if rank == 0 else None, targets if last else None,
-            pipeline.gpt_loss if last else None, microbatches=1, schedule="vanilla",
+            pipeline.next_token_loss if last else None, microbatches=1, schedule="vanilla",
         )  # fmt: skip
 
     return measure_step(

@@ -14,7 +14,6 @@ same initial weights on the same batches, so that the teacher is the only differ
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -82,10 +81,9 @@ def train_student(
     temperature: float = 4.0,
     alpha: float = 0.9,
     seed: int = 0,
-    loss_fn: Callable[..., torch.Tensor] = distillation_loss,
 ) -> StudentRun:
     """Train ``student`` in place with Adam on random batches drawn by ``seed``: with
-    ``teacher``, on ``loss_fn`` (the distillation loss); without, on cross-entropy alone. Same
+    ``teacher``, on :func:`distillation_loss`; without, on cross-entropy alone. Same
     seed, same steps: both runs see the same batches in the same order."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
@@ -106,7 +104,7 @@ def train_student(
         if teacher_logits is None:
             loss = F.cross_entropy(logits.flatten(0, -2), targets[idx].flatten())
         else:
-            loss = loss_fn(logits, teacher_logits[idx], targets[idx], temperature, alpha)
+            loss = distillation_loss(logits, teacher_logits[idx], targets[idx], temperature, alpha)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -288,7 +288,7 @@ def fsdp2_offload_train(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from dmlbook.launch import device as rank_device
+    from dmlbook.comm.groups import device as rank_device
 
     # The mesh names this rank's device: FSDP2's default mesh takes ``cuda:<local rank>`` whenever
     # CUDA is present, which fails for rank 1 of a gloo group on a machine with one GPU.

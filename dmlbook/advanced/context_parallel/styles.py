@@ -1,9 +1,9 @@
 """Context parallelism as plan styles on an unmodified char-GPT (chapter 13).
 
-:mod:`dmlbook.advanced.context_parallel` computes attention over a sequence whose positions are
-spread over the ranks of a group. Two modules of the char-GPT must know that they see only part
-of the sequence, and the plan mechanism of :mod:`dmlbook.advanced.parallelize` changes exactly
-those two:
+:mod:`dmlbook.advanced.context_parallel.ring` computes attention over a sequence whose positions
+are spread over the ranks of a group. Two modules of the char-GPT must know that they see only
+part of the sequence, and the plan mechanism of :mod:`dmlbook.advanced.composition.plan` changes
+exactly those two:
 
 * :class:`ContextParallelPositions` on ``wpe``: the model asks for positions ``0 .. t-1`` of the
   ``t`` tokens it holds; this rank's tokens sit at other places of the whole sequence (two
@@ -12,8 +12,8 @@ those two:
 * :class:`ContextParallelAttention` on ``blocks.*.attn``: q, k and v come from the attention's
   own ``c_attn`` (plain, or chapter 9's tensor-parallel one, or the sequence-parallel one that
   all-gathers the TP group's sequence blocks first); the score computation is
-  :func:`~dmlbook.advanced.context_parallel.ring_attention` over the CP group; ``c_proj`` is the
-  attention's own. So CP composes with TP and SP: apply the TP plan first, then these styles.
+  :func:`~dmlbook.advanced.context_parallel.ring.ring_attention` over the CP group; ``c_proj`` is
+  the attention's own. So CP composes with TP and SP: apply the TP plan first, then these styles.
 
 Everything else (LayerNorm, MLP, loss) works token by token and needs no change: each CP rank's
 loss is the mean over its tokens, and the mean of those means (equal token counts) is the whole
@@ -27,8 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dmlbook.advanced.context_parallel import contiguous_layout, ring_attention, zigzag_layout
+from dmlbook.advanced.context_parallel.ring import (
+    RankChunks,
+    contiguous_layout,
+    ring_attention,
+    zigzag_layout,
+)
+from dmlbook.advanced.tensor_parallel import ParallelSelfAttention
 from dmlbook.comm.groups import group_rank_size
+from dmlbook.models import CausalSelfAttention
 
 __all__ = [
     "CONTEXT_PARALLEL_PLAN",
@@ -40,7 +47,7 @@ __all__ = [
 ]
 
 
-def cp_layout(local_len: int, cp_size: int, zigzag: bool = True):
+def cp_layout(local_len: int, cp_size: int, zigzag: bool = True) -> RankChunks:
     """The layout of a sequence of ``local_len * cp_size`` tokens over ``cp_size`` ranks."""
     make = zigzag_layout if zigzag else contiguous_layout
     return make(local_len * cp_size, cp_size)
@@ -80,8 +87,8 @@ class ContextParallelAttention(nn.Module):
         hs = self.inner.head_size
         q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         _, size = group_rank_size(self.group)
-        layout = cp_layout(T, size, self.zigzag)
-        y = ring_attention(q, k, v, layout, self.group)  # (B, nh, T_local, hs): compute + comm
+        chunks = cp_layout(T, size, self.zigzag)  # each CP rank's [start, stop) chunks
+        y = ring_attention(q, k, v, chunks, self.group)  # (B, nh, T_local, hs): compute + comm
         return self.inner.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T_local, C)
 
 
@@ -95,11 +102,11 @@ class ContextParallel:
     def __call__(self, module: nn.Module, group) -> nn.Module:
         if isinstance(module, nn.Embedding):
             return ContextParallelPositions(module, group, self.zigzag)
-        if hasattr(module, "c_attn") and hasattr(module, "head_size"):
-            if getattr(module, "dropout", 0.0):
-                raise ValueError("context parallelism here needs attention dropout=0.0")
+        if isinstance(module, CausalSelfAttention) and module.dropout:
+            raise ValueError("context parallelism here needs attention dropout=0.0")
+        if isinstance(module, CausalSelfAttention | ParallelSelfAttention):  # plain, TP or TP + SP
             return ContextParallelAttention(module, group, self.zigzag)
-        raise ValueError(
+        raise TypeError(
             f"ContextParallel applies to the position embedding or an attention, not {type(module)}"
         )
 

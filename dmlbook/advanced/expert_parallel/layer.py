@@ -1,9 +1,9 @@
 """Expert parallelism: a mixture of experts spread over ranks, tokens moved by all-to-all
 (chapter 13).
 
-A mixture-of-experts layer (:mod:`dmlbook.advanced.moe`) has E experts; with expert parallelism
-(GShard, Lepikhin et al. 2020) each of the p ranks of a group holds E / p of them, and each rank
-routes its own tokens. One forward pass is
+A mixture-of-experts layer (:mod:`dmlbook.advanced.expert_parallel.moe`) has E experts; with
+expert parallelism (GShard, Lepikhin et al. 2020) each of the p ranks of a group holds E / p of
+them, and each rank routes its own tokens. One forward pass is
 
 1. **route** (compute): this rank's router picks each local token's top-k experts and drops what
    exceeds an expert's capacity, exactly as the single-process layer does with these tokens;
@@ -19,11 +19,11 @@ all-to-all), so each expert's gradient sums over the tokens of every rank. The r
 replicated: its gradient covers this rank's tokens only, and is averaged over the data-parallel
 ranks like any replicated weight (the training loop's job, as for data parallelism).
 
-:class:`ExpertParallelMoE` is this rank's part of an unsplit :class:`~dmlbook.advanced.moe.
-MoEFeedForward`; :class:`ExpertParallel` is the plan style that makes it, and
+:class:`ExpertParallelMoE` is this rank's part of an unsplit :class:`~dmlbook.advanced.
+expert_parallel.moe.MoEFeedForward`; :class:`ExpertParallel` is the plan style that makes it, and
 :func:`apply_expert_parallel` applies it to every block of an unmodified MoE char-GPT. The EP
 group may be the whole world or a subgroup (a dimension of a
-:class:`~dmlbook.advanced.mesh.DeviceMesh`).
+:class:`~dmlbook.advanced.composition.layout.ProcessGroups`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dmlbook.advanced.moe import MoEFeedForward, Routing
-from dmlbook.advanced.parallelize import apply_tensor_parallel
+from dmlbook.advanced.composition.plan import apply_plan, expect_module
+from dmlbook.advanced.expert_parallel.moe import MoEFeedForward, Routing
 from dmlbook.comm.alltoall import all_to_all_single, differentiable_all_to_all, exchange_sizes
 from dmlbook.comm.groups import even_block, group_rank_size
 
@@ -109,16 +109,15 @@ class ExpertParallelMoE(nn.Module):
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """Plan style: an :class:`~dmlbook.advanced.moe.MoEFeedForward` becomes this rank's
-    :class:`ExpertParallelMoE` over the group."""
+    """Plan style: an :class:`~dmlbook.advanced.expert_parallel.moe.MoEFeedForward` becomes
+    this rank's :class:`ExpertParallelMoE` over the group."""
 
     def __call__(self, module: nn.Module, group) -> nn.Module:
-        if not isinstance(module, MoEFeedForward):
-            raise ValueError(f"ExpertParallel applies to MoEFeedForward, not {type(module)}")
+        expect_module(self, module, MoEFeedForward)
         return ExpertParallelMoE.from_moe(module, group)
 
 
 def apply_expert_parallel(model: nn.Module, group=None, pattern: str = "blocks.*.mlp") -> nn.Module:
     """Every MoE layer that ``pattern`` names becomes expert-parallel over ``group``, in place
-    (the plan mechanism of :mod:`dmlbook.advanced.parallelize`); returns ``model``."""
-    return apply_tensor_parallel(model, {pattern: ExpertParallel()}, group)
+    (the plan mechanism of :mod:`dmlbook.advanced.composition.plan`); returns ``model``."""
+    return apply_plan(model, {pattern: ExpertParallel()}, group)

@@ -10,8 +10,9 @@ and model parallelism") splits them across the tensor-parallel ranks as Megatron
   taken from the rank that owns it;
 * :func:`padded_vocab_size`: the vocabulary padded so that it divides by the TP size.
 
-Their communication is :mod:`dmlbook.advanced.tensor_parallel_comm`'s, so ``counting()`` sees it;
-:mod:`dmlbook.advanced.parallelize` applies them to a model by plan, and
+Their communication is :mod:`dmlbook.advanced.tensor_parallel.comm`'s, so ``counting()`` sees it;
+:mod:`dmlbook.advanced.composition.plan` applies them to a model by plan
+(:class:`VocabParallelCrossEntropy` is the loss as a module, for the plan's ``criterion``), and
 :mod:`dmlbook.advanced.tensor_parallel` gives their names with the other layers.
 """
 
@@ -22,10 +23,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook.advanced.tensor_parallel_comm import _all_reduce, reduce_from_tensor_parallel
+from dmlbook.advanced.tensor_parallel.comm import _all_reduce, reduce_from_tensor_parallel
 from dmlbook.comm.groups import even_block, group_rank_size
 
-__all__ = ["VocabParallelEmbedding", "padded_vocab_size", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "padded_vocab_size",
+    "vocab_parallel_cross_entropy",
+]
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -126,3 +132,16 @@ def vocab_parallel_cross_entropy(
     if reduction == "mean":
         return losses.mean()
     return losses.sum() if reduction == "sum" else losses
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """:func:`vocab_parallel_cross_entropy` as a module: the mean loss of logits ``(B, T, V / p)``,
+    this rank's vocabulary block, against targets ``(B, T)``; what the plan puts at a char-GPT's
+    ``criterion`` so that the logits are never gathered."""
+
+    def __init__(self, group=None) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group)

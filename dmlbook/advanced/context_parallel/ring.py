@@ -1,5 +1,8 @@
 """Context parallelism: attention over a sequence that is split across ranks (chapter 13).
 
+This module is :mod:`dmlbook.advanced.context_parallel`'s arithmetic and messages; the plan
+styles that put it into a model are :mod:`~dmlbook.advanced.context_parallel.styles`.
+
 Tensor and sequence parallelism still give every rank all the keys and values of a sequence for
 attention. With long contexts even that is too much, so context parallelism keeps only a slice of
 the sequence on each rank, q, k and v alike, and moves the keys and values instead:
@@ -48,7 +51,7 @@ from dmlbook.comm.groups import balanced_blocks, group_rank_size
 
 __all__ = [
     "AttentionBlock",
-    "Layout",
+    "RankChunks",
     "all_gather_attention",
     "attention_work",
     "block_attention",
@@ -64,17 +67,18 @@ __all__ = [
 ]
 
 Chunk = tuple[int, int]  # [start, stop) positions of the sequence
-Layout = list[list[Chunk]]  # layout[rank]: that rank's chunks, in the order it holds them
+RankChunks = list[list[Chunk]]  # chunks[rank]: that rank's chunks, in the order it holds them
+# (not chapter 13's degrees class, dmlbook.advanced.composition.layout.Layout)
 
 # --------------------------------------------------------------------------- layouts
 
 
-def contiguous_layout(seq_len: int, world_size: int) -> Layout:
+def contiguous_layout(seq_len: int, world_size: int) -> RankChunks:
     """p contiguous blocks, near-equal when ``seq_len`` does not divide (the first ones longer)."""
     return [[block] for block in balanced_blocks(seq_len, world_size)]
 
 
-def zigzag_layout(seq_len: int, world_size: int) -> Layout:
+def zigzag_layout(seq_len: int, world_size: int) -> RankChunks:
     """2p equal chunks; rank r holds chunks r and 2p-1-r, one from each end of the sequence, so
     that every rank's queries see the same number of causal keys (the load-balanced split)."""
     parts = 2 * world_size
@@ -94,12 +98,12 @@ def _length(chunks: Sequence[Chunk]) -> int:
     return sum(stop - start for start, stop in chunks)
 
 
-def split(x: torch.Tensor, layout: Layout, rank: int, dim: int = -2) -> torch.Tensor:
+def split(x: torch.Tensor, layout: RankChunks, rank: int, dim: int = -2) -> torch.Tensor:
     """Rank's positions of ``x`` (the whole sequence along ``dim``), its chunks side by side."""
     return torch.cat([x.narrow(dim, a, b - a) for a, b in layout[rank]], dim=dim)
 
 
-def unsplit(pieces: Sequence[torch.Tensor], layout: Layout, dim: int = -2) -> torch.Tensor:
+def unsplit(pieces: Sequence[torch.Tensor], layout: RankChunks, dim: int = -2) -> torch.Tensor:
     """The whole sequence from every rank's piece (``pieces[r]`` as :func:`split` gave it)."""
     parts = []
     for piece, chunks in zip(pieces, layout, strict=True):
@@ -143,7 +147,7 @@ def _future(q_chunk: Chunk, k_chunk: Chunk) -> bool:
     return k_chunk[0] >= q_chunk[1]
 
 
-def attention_work(layout: Layout, causal: bool = True) -> list[int]:
+def attention_work(layout: RankChunks, causal: bool = True) -> list[int]:
     """Score elements each rank computes (per batch row and head): its query chunks against
     every key chunk, skipping the blocks wholly in the future."""
     every_chunk = [c for chunks in layout for c in chunks]
@@ -221,7 +225,7 @@ class _Accumulator:
 # --------------------------------------------------------------------------- communication
 
 
-def _check(name: str, q, k, v, layout: Layout, group) -> tuple[int, int]:
+def _check(name: str, q, k, v, layout: RankChunks, group) -> tuple[int, int]:
     """Local shapes first, then one all-gather of (B, H, positions, D, dtype): every rank raises
     the same ValueError when the ranks disagree, instead of waiting for a block that never comes."""
     rank, world = group_rank_size(group)
@@ -306,7 +310,7 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: Layout,
+    layout: RankChunks,
     group=None,
     causal: bool = True,
 ) -> torch.Tensor:
@@ -329,7 +333,7 @@ def all_gather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: Layout,
+    layout: RankChunks,
     group=None,
     causal: bool = True,
 ) -> torch.Tensor:

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from dmlbook.data_parallel.ps.sharding import assign_shards
+
 __all__ = ["ShardedOptimizer", "optimizer_state_bytes", "partition_parameters"]
 
 
@@ -49,19 +51,12 @@ def partition_parameters(numels: Sequence[Sequence[int]], world_size: int) -> li
     """The rank that owns each parameter, ``owners[group][i]``: sorted-greedy, as torch's
     ZeroRedundancyOptimizer. Group by group, parameters go largest first (equal sizes keep their
     order) to the rank holding the fewest elements so far (the lowest such rank); the loads carry
-    over from one group to the next, so a new group leaves the earlier owners as they were."""
+    over from one group to the next, so a new group leaves the earlier owners as they were.
+    The greedy rule is chapter 2's :func:`~dmlbook.data_parallel.ps.sharding.assign_shards`."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    loads = [0] * world_size  # elements each rank owns so far
-    owners = []
-    for group in numels:
-        owner = [0] * len(group)
-        for i in sorted(range(len(group)), key=lambda i: -group[i]):
-            rank = loads.index(min(loads))
-            owner[i] = rank
-            loads[rank] += group[i]
-        owners.append(owner)
-    return owners
+    loads = [0] * world_size  # elements each rank owns so far, carried from group to group
+    return [assign_shards(group, world_size, loads) for group in numels]
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

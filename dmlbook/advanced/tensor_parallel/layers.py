@@ -11,24 +11,24 @@ weight ``W`` can be cut two ways over p ranks:
 A column split followed by a row split needs no communication in between (an element-wise GeLU
 keeps the column blocks separate), so a transformer MLP or attention block costs exactly one
 all-reduce forward and one backward (Shoeybi et al. 2019, "Megatron-LM"). The communication is
-:mod:`dmlbook.advanced.tensor_parallel_comm`'s: two *conjugate* autograd functions,
+:mod:`dmlbook.advanced.tensor_parallel.comm`'s: two *conjugate* autograd functions,
 :func:`copy_to_tensor_parallel` (identity forward, all-reduce backward: Megatron's ``f``) and
 :func:`reduce_from_tensor_parallel` (the reverse: ``g``), and the pair that joins or cuts the last
 dimension; inside ``with counting() as comms:`` every collective is recorded, so the notebook can
 count them per layer and pass. :func:`communication_per_step` is the count in closed form.
 
 On top of them, here: :class:`ParallelMLP` and :class:`ParallelSelfAttention` (heads split across
-the ranks, causal); in :mod:`dmlbook.advanced.vocab_parallel`, :class:`VocabParallelEmbedding`
-and :func:`vocab_parallel_cross_entropy`; and
-:func:`dmlbook.advanced.parallelize.tensor_parallel_char_gpt`, the char-GPT of
+the ranks, causal); in :mod:`~dmlbook.advanced.tensor_parallel.vocab_parallel`,
+:class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy`; and
+:func:`dmlbook.advanced.composition.plan.tensor_parallel_char_gpt`, the char-GPT of
 :mod:`dmlbook.models` with every block split by a plan. Each layer has a ``from_...`` constructor
 that cuts its shard out of an unsplit layer, which is how the plan applies it and how the tests and
-the notebook prove the split layer computes the same thing. This module gives the names of both
-others too, so that ``from dmlbook.advanced import tensor_parallel as tp`` is all a notebook needs.
+the notebook prove the split layer computes the same thing. The package
+(``from dmlbook.advanced import tensor_parallel as tp``) gives the names of all three modules.
 
 ``group=`` picks the tensor-parallel process group as in ``torch.distributed`` (the TP dimension
-of a :class:`dmlbook.advanced.mesh.DeviceMesh`). Which block of a size each rank holds is
-:func:`dmlbook.comm.groups.even_block`: sizes must divide by the TP size.
+of a :class:`dmlbook.advanced.composition.layout.ProcessGroups`). Which block of a size each rank
+holds is :func:`dmlbook.comm.groups.even_block`: sizes must divide by the TP size.
 """
 
 from __future__ import annotations
@@ -39,37 +39,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook.advanced.tensor_parallel_comm import (
-    CommRecord,
+from dmlbook.advanced.tensor_parallel.comm import (
     copy_to_tensor_parallel,
-    counting,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
-)
-from dmlbook.advanced.vocab_parallel import (
-    VocabParallelEmbedding,
-    padded_vocab_size,
-    vocab_parallel_cross_entropy,
 )
 from dmlbook.comm.groups import even_block, group_rank_size
 from dmlbook.models import CausalSelfAttention, FeedForward
 
 __all__ = [
     "ColumnParallelLinear",
-    "CommRecord",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
-    "VocabParallelEmbedding",
     "communication_per_step",
-    "copy_to_tensor_parallel",
-    "counting",
-    "gather_from_tensor_parallel",
-    "padded_vocab_size",
-    "reduce_from_tensor_parallel",
-    "scatter_to_tensor_parallel",
-    "vocab_parallel_cross_entropy",
 ]
 
 

@@ -1,6 +1,6 @@
 """``%ranks`` and ``%%ranks``: ranks that stay alive between notebook cells (chapters 2 and 9).
 
-``%load_ext dmlbook`` registers one magic, a thin layer over :class:`dmlbook.ranks.Ranks`::
+``%load_ext dmlbook`` registers one magic, a thin layer over :class:`dmlbook.launch.Ranks`::
 
     %ranks start 4 [--backend gloo] [--timeout 60]   # 4 ranks, each with a process group
     %%ranks [--on 0,2] [--timeout 10]                # this cell's code, on every rank (or some)
@@ -24,8 +24,8 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from dmlbook.launch import BACKENDS, RankError, RankTimeoutError
-from dmlbook.ranks import Ranks, RanksClosedError
+from dmlbook.runtime.errors import BACKENDS, RankError, RanksClosedError, RankTimeoutError
+from dmlbook.runtime.session import Ranks
 
 __all__ = ["RanksMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -75,7 +75,7 @@ class RanksMagics(Magics):
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None):
         """``%ranks start N | push NAME.. | pull NAME | status | restart | stop``, or a
-        ``%%ranks [--on 0,2] [--timeout S]`` cell run on every rank. See ``dmlbook.magic``."""
+        ``%%ranks [--on 0,2] [--timeout S]`` cell run on every rank (``dmlbook.runtime.magic``)."""
         try:
             if cell is not None:
                 return self._cell(self._cell_parser.parse_args(shlex.split(line)), cell)

@@ -1,25 +1,24 @@
 """Start N rank processes and watch them: what :func:`dmlbook.launch.run` and
-:class:`dmlbook.ranks.Ranks` share, so that both start, report and stop ranks one way.
+:class:`dmlbook.launch.Ranks` share, so that both start, report and stop ranks one way (every
+chapter starts its ranks here).
 
 A :class:`RankGroup` owns, for one launch or one interactive session:
 
-* a private folder (mode 0700: ``meta.pkl`` in, failure reports and stack dumps out) that also
+* a private folder (mode 0700: :mod:`dmlbook.runtime.protocol`'s files in and out) that also
   holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only this
   user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
-* the processes, forked from the warm helper (:mod:`dmlbook._zygote`) or spawned as fresh
-  interpreters, each in a session of its own, with ``threads_per_rank`` threads;
+* the processes, forked from the warm helper (:mod:`dmlbook.runtime.zygote`) or spawned as fresh
+  interpreters, each in a session of its own, with :func:`threads_per_rank` threads;
 * their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
   caller's thread; the exit of each, timed exactly;
-* for a session, one socket pair per rank (the fast channel of :mod:`dmlbook._rank_server`).
+* for a session, one socket pair per rank (the channel :mod:`dmlbook.runtime.rank_server` serves).
 
-And the ways a failure becomes an exception: :func:`classify_failure` and :func:`first_failure`
-name the rank that failed first (never one whose collective broke because a peer died), and
+A rank that failed becomes an exception through :mod:`dmlbook.runtime.failures`;
 :meth:`RankGroup.stack_dumps` asks stuck ranks for their Python stacks (faulthandler on SIGUSR1).
 """
 
 from __future__ import annotations
 
-import linecache
 import os
 import pickle
 import queue
@@ -34,24 +33,21 @@ import threading
 import time
 from pathlib import Path
 
-from dmlbook import _rank_process, _rank_server, _zygote
-from dmlbook.launch import INSIDE_RUN, RankError, threads_per_rank
-from dmlbook.owners import Owner
+import torch
 
-# How gloo and NCCL say that a peer went away: such a rank failed because another one did.
-PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)", re.IGNORECASE
-)
-STORE_FILE = "store"  # the FileStore the ranks rendezvous on, in the private folder
+from dmlbook.owners import Owner
+from dmlbook.runtime import protocol, zygote
+from dmlbook.runtime.errors import INSIDE_RUN, RankError
+from dmlbook.runtime.failures import classify_failure, readable_dump
+
+# What a spawned rank runs, as ``python -c``; a forked one runs the same function (zygote.py).
+RANK_MAIN = "from dmlbook.runtime.rank_process import main; main()"
 STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
 # A rank that dies without a Python traceback (a signal, os._exit) is reported with the last lines
 # it wrote to stderr: gloo's reason for an abort is there and nowhere else. Its pipe ends when it
 # is gone; a child it started may hold the pipe open, so the wait for its last lines is bounded.
 LAST_WORDS_WAIT_S = 0.5
-LAST_WORDS_LINES = 10  # shown in the error
 _STDERR_KEPT = 400  # lines kept per rank: a faulthandler dump of many threads is long
-# Frames of the runtime itself, left out of a stuck rank's stack.
-_OWN_FILES = (_rank_process.__file__, _rank_server.__file__, _zygote.__file__, "<string>")
 
 
 _FOLDER = re.compile(r"dmlbook-(?:ranks|launch)-(?P<owner>\d+-\d+@[A-Za-z0-9._-]+)-\w+")
@@ -74,6 +70,24 @@ def _remove_dead_callers_folders() -> None:
         owner = Owner.parse(found["owner"])
         if owner and entry.stat(follow_symlinks=False).st_uid == os.getuid() and owner.is_dead():
             shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each of ``world_size`` local ranks gets, so that together they fill the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+def resolve_backend(backend: str, ranks_on_this_host: int) -> str:
+    """``auto`` is NCCL when every local rank can have its own GPU, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= ranks_on_this_host else "gloo"
+    if backend == "nccl" and gpus < ranks_on_this_host:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {ranks_on_this_host} ranks, {gpus} GPUs"
+        )
+    return backend
 
 
 class RankGroup:
@@ -106,20 +120,20 @@ class RankGroup:
             world_size=self.world_size,
             backend=self.backend,
             timeout=self.timeout,
-            store=str(self.workdir / STORE_FILE),  # the rendezvous, in the private folder
+            store=str(self.workdir / protocol.STORE),  # the rendezvous, in the private folder
             sys_path=list(sys.path),
             cwd=os.getcwd(),
             sources=sources or {},  # cells' lines, which IPython keeps only in memory
             parent_pid=self.helper.process.pid if self.helper else os.getpid(),
             serve=self.serve,
         )
-        (self.workdir / "meta.pkl").write_bytes(pickle.dumps(meta))
+        (self.workdir / protocol.META).write_bytes(pickle.dumps(meta))
         for rank in range(self.world_size):
             self._start(rank)  # appends to self.procs first, so that close() kills each one
 
     def _start(self, rank: int) -> None:
         threads = threads_per_rank(self.world_size)
-        package_root = str(Path(__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])
         env = dict(
             os.environ,
             PYTHONUNBUFFERED="1",
@@ -146,10 +160,9 @@ class RankGroup:
             if self.helper:  # forked from the warm helper, which has imported torch already
                 proc = self.helper.spawn(argv, env, pass_fds)
             else:
-                env[_zygote.PASSED_FDS] = ",".join(map(str, pass_fds))
+                env[protocol.PASSED_FDS] = ",".join(map(str, pass_fds))
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", "from dmlbook._rank_process import main; main()"]
-                    + argv[1:],
+                    [sys.executable, "-c", RANK_MAIN] + argv[1:],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -194,7 +207,7 @@ class RankGroup:
     def failure(self, rank: int) -> tuple[tuple[bool, float], RankError]:
         """A rank that exited without a result, as ((is it a knock-on failure, when), error)."""
         died_at, code = self.exits[rank]
-        report_file = self.workdir / f"error{rank}.pkl"
+        report_file = protocol.error_file(self.workdir, rank)
         report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
         if report is None and rank in self.stderr_pumps:  # its last words are all we will have
             self.stderr_pumps[rank].join(timeout=LAST_WORDS_WAIT_S)
@@ -203,7 +216,7 @@ class RankGroup:
 
     def stack_dumps(self, ranks: list[int]) -> dict[int, str]:
         """Each rank's Python stacks, from faulthandler (SIGUSR1), with the user's source lines."""
-        paths = {rank: self.workdir / f"stack{rank}.txt" for rank in ranks}
+        paths = {rank: protocol.stack_file(self.workdir, rank) for rank in ranks}
         for rank in ranks:
             paths[rank].write_text("")  # the rank appends: a session's rank may be asked again
             if self.procs[rank].poll() is None:
@@ -249,102 +262,15 @@ class RankGroup:
             self.helper = None
 
 
-def _start_helper() -> _zygote.Zygote | None:
-    """The warm process that forks ranks (:mod:`dmlbook._zygote`), or None to spawn them."""
-    if not _zygote.enabled():
+def _start_helper() -> zygote.Zygote | None:
+    """The warm process that forks ranks (:mod:`dmlbook.runtime.zygote`), or None to spawn them."""
+    if not zygote.enabled():
         return None
     try:
-        return _zygote.lease()  # given back in close()
+        return zygote.lease()  # given back in close()
     except (OSError, RuntimeError) as e:
         print(f"dmlbook.launch: starting ranks as fresh interpreters ({e})", file=sys.stderr)
         return None
-
-
-def classify_failure(
-    rank: int, report: dict | None, died_at: float, code: int | None, stderr_tail: list[str]
-) -> tuple[tuple[bool, float], RankError]:
-    """A failed rank as ((is it a knock-on failure, when it failed), the error to raise).
-
-    ``report`` is what the rank wrote when it raised (None if it died without a word).
-    """
-    if report is None:
-        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        said, stack = last_words(stderr_tail)
-        message = f"rank {rank} failed first: it died with {how} and no Python traceback"
-        if said:
-            message += "\nIts last lines on stderr:\n" + "\n".join(f"  {line}" for line in said)
-        if stack:
-            message += f"\nWhere it was when it died (faulthandler):\n{stack}"
-        error = RankError(message, rank, code)
-        error.stderr = "\n".join(stderr_tail)
-        return (False, died_at), error
-    error = RankError(
-        f"rank {rank} failed first: {report['summary']}\n\nOn rank {rank}:\n{report['traceback']}",
-        rank,
-        code,
-        report["traceback"],
-    )
-    try:
-        error.__cause__ = pickle.loads(report["exception"])
-    except Exception:
-        pass
-    return (bool(PEER_LOST.search(report["summary"])), report["time"]), error
-
-
-def last_words(stderr_tail: list[str]) -> tuple[list[str], str]:
-    """What a rank that died without a traceback wrote last, and where its Python code was.
-
-    A fatal signal makes faulthandler (enabled in every rank) write ``Fatal Python error: ...``
-    and each thread's stack after whatever the rank wrote before, such as gloo's ``terminate
-    called after throwing an instance of 'gloo::EnforceNotMet' ... Received data size doesn't
-    match expected size``. The lines before the dump are its reason; the dump, without the
-    runtime's own threads and frames, says where the user's code was.
-    """
-    fatal = next(
-        (
-            i
-            for i in range(len(stderr_tail) - 1, -1, -1)
-            if stderr_tail[i].startswith("Fatal Python")
-        ),
-        None,
-    )
-    if fatal is None:
-        return stderr_tail[-LAST_WORDS_LINES:], ""
-    said = [line for line in stderr_tail[:fatal] if line.strip()][-LAST_WORDS_LINES:]
-    dump = [line for line in stderr_tail[fatal + 1 :] if not line.startswith("Extension modules")]
-    stack = readable_dump("\n".join(dump))
-    return said + [stderr_tail[fatal]], stack if "File " in stack else ""
-
-
-def first_failure(failures) -> RankError:
-    """The error of the rank that failed first, knock-on failures last.
-
-    A rank whose collective broke because a peer vanished failed as a *consequence*. It can even
-    report before the caller sees the peer's death (a dying process closes its sockets before
-    the kernel reports its exit), so it is named only when no other rank failed.
-    """
-    _, error = min(failures, key=lambda f: f[0])
-    return error
-
-
-def readable_dump(dump: str) -> str:
-    """Keep the user's threads and frames of a faulthandler dump, each with its source line."""
-    if not dump.strip():
-        return "(no stack dump: the rank did not answer SIGUSR1)"
-    threads = []
-    for block in dump.strip().split("\n\n"):
-        if f'File "{_rank_process.__file__}", line' in block and " in watch" in block:
-            continue  # the launcher's parent-watching thread
-        lines = []
-        for line in block.splitlines():
-            m = re.match(r'\s+File "(.+)", line (\d+) in ', line)
-            if m and m.group(1) in _OWN_FILES:
-                continue  # the launcher's own frames
-            lines.append(line)
-            if m and (src := linecache.getline(m.group(1), int(m.group(2))).strip()):
-                lines.append(f"    {src}")
-        threads.append("\n".join(lines))
-    return "\n\n".join(threads)
 
 
 def rendezvous_env() -> dict[str, str]:

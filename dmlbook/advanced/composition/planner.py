@@ -1,10 +1,11 @@
 """What each layout costs: memory and bytes per rank, predicted, and layouts ranked (chapter 13).
 
-For a char-GPT :class:`Workload` and a :class:`~dmlbook.advanced.layout.Layout`, this module
-predicts, for any rank, what :func:`~dmlbook.advanced.composed.train_composed` measures:
+For a char-GPT :class:`Workload` and a :class:`~dmlbook.advanced.composition.layout.Layout`, this
+module predicts, for any rank, what :func:`~dmlbook.advanced.composition.training.train_composed`
+measures:
 
 * :func:`predict_memory`: parameters, gradients and AdamW state (exact: the shapes of the shards
-  and ZeRO-1's whole-parameter partition, :func:`~dmlbook.advanced.sharded_optimizer.
+  and ZeRO-1's whole-parameter partition, :func:`~dmlbook.advanced.zero.sharded_optimizer.
   partition_parameters`) and activations (an approximation: the tensors each layer saves, times
   the micro-batches 1F1B keeps alive on the stage, ``min(pp - stage, microbatches)``);
 * :func:`predict_traffic`: for each dimension, the bytes this rank sends in one step and the
@@ -26,8 +27,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from dmlbook.advanced.layout import Layout
-from dmlbook.advanced.sharded_optimizer import partition_parameters
+from dmlbook.advanced.composition.layout import Layout
+from dmlbook.advanced.context_parallel.styles import cp_layout
+from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
+from dmlbook.advanced.zero.sharded_optimizer import partition_parameters
 from dmlbook.comm.costmodel import Link
 from dmlbook.model_parallel.pipeline import even_partition
 
@@ -74,7 +77,7 @@ class Workload:
     def of(cls, model, batch: int, seq: int, microbatches: int = 1, element_size: int = 4):
         """The workload of a char-GPT (dense or MoE) at a batch of ``batch`` x ``seq``."""
         c = model.config
-        moe = [m for m in model.modules() if hasattr(m, "router")]
+        moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
         n_experts = len(moe[0].experts) if moe else 0
         top_k = moe[0].router.top_k if moe else 2
         return cls(c.vocab_size, c.n_layer, c.n_embd, c.n_head, c.block_size, batch, seq,
@@ -105,8 +108,6 @@ def stage_layers(work: Workload, pp: int) -> list[list[str]]:
 def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
     """What ``rank`` holds along each of ``dims``, in a few words (for pictures and tables):
     its layers, batch rows, attention heads, sequence positions and experts."""
-    from dmlbook.advanced.context_parallel_styles import cp_layout
-
     c, lines = layout.coordinates(rank), []
     if "pp" in dims:
         layers = stage_layers(work, layout.pp)[: c["pp"] + 1]
@@ -119,7 +120,7 @@ def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
         heads = work.n_head // layout.tp
         lines.append(f"heads {c['tp'] * heads}-{(c['tp'] + 1) * heads - 1}")
     if "cp" in dims:
-        chunks = cp_layout(work.seq // layout.cp, layout.cp)[c["cp"]]
+        chunks = cp_layout(work.seq // layout.cp, layout.cp, layout.zigzag)[c["cp"]]
         lines.append("tokens " + ",".join(f"{a}-{b - 1}" for a, b in chunks))
     if "ep" in dims and work.n_experts:
         per = work.n_experts // layout.ep
@@ -215,12 +216,14 @@ class Traffic:
 
 
 def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
-    """What ``rank`` sends in one step of :func:`~dmlbook.advanced.composed.train_composed`."""
+    """What ``rank`` sends in one step of
+    :func:`~dmlbook.advanced.composition.training.train_composed`."""
     coords = layout.coordinates(rank)
     c, t, cp, e, m = work.n_embd, layout.tp, layout.cp, work.element_size, work.microbatches
     b = work.batch // (layout.dp * m)
     s = work.seq // cp
     whole = b * s * c * e  # (b, s, C): the CP rank's activations of one micro-batch
+    check = 4 * INDEX_BYTES * t  # an SP shape check: every TP rank's (ndim, B, T, C)
     layers = stage_layers(work, layout.pp)[coords["pp"]]
     out = Traffic()
     for layer in layers:  # per micro-batch, then times m
@@ -232,6 +235,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "ag", t, whole, 2 * m)  # lm_head: all-gather forward and backward
             out.add("tp", "rs", t, whole, m)  # ... and its input's gradient
             out.add("tp", "ar", t, 3 * b * s * e, m)  # the split loss: max, sum of exp, target
+            out.add("tp", "ag", t, check, m)  # lm_head's sequence all-gather: its shape check
         else:
             linears = 2 if work.n_experts else 4  # an MoE is not split by TP
             out.add("tp", "ag", t, whole, linears // 2 * 2 * m)  # column: fwd, bwd again
@@ -239,6 +243,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "rs", t, whole, linears // 2 * m)  # row: forward
             out.add("tp", "ag", t, whole, linears // 2 * m)  # row: backward
             out.add("tp", "ar", t, c * e, (4 + linears // 2) * m)  # LayerNorms, row biases
+            out.add("tp", "ag", t, check, linears * m)  # each forward SP collective's check
             if work.n_experts:  # MoE weights see only SP tokens: gradients summed over TP
                 moe = [n for n, _ in _parameters(work, layout, "block")[8:]]
                 for n in moe:

@@ -1,17 +1,18 @@
-"""The rank side of :class:`dmlbook.ranks.Ranks`: a loop that serves the caller's requests.
+"""The rank side of :class:`dmlbook.launch.Ranks`: a loop that serves the caller's requests
+(the ``%%ranks`` cells of chapters 2 and 9).
 
-A session's rank, once its process group is up (:mod:`dmlbook._rank_process`), reads requests
-from its end of a socket pair that the caller made for it, and answers each one on the same
-channel, in order:
+A session's rank, once its process group is up (:mod:`dmlbook.runtime.rank_process`), reads
+requests from its end of a socket pair that the caller made for it, and answers each one on the
+same channel, in order (the messages: :mod:`dmlbook.runtime.protocol`):
 
 * ``exec``: run a cell's source in this rank's namespace, which lives as long as the rank; the
   value of a final expression goes back, as IPython shows a cell's last value;
-* ``call``: call a function shipped by :mod:`dmlbook._shipping`; ``push``: set names;
+* ``call``: call a function shipped by :mod:`dmlbook.runtime.shipping`; ``push``: set names;
   ``pull``: send names' values back.
 
 What the cell prints travels on the channel too, ahead of the answer (``("out", stream, text)``),
 so the caller has shown all of a cell's output by the time it returns. A request that raises is
-answered with a failure report (:func:`dmlbook._rank_process.failure_report`) and the loop goes
+answered with a failure report (:func:`dmlbook.runtime.failures.failure_report`) and the loop goes
 on. SIGINT interrupts the running request only (``KeyboardInterrupt`` in the cell, answered as
 ``interrupted``); between requests it is ignored. The loop ends when the caller closes the channel.
 """
@@ -20,88 +21,17 @@ from __future__ import annotations
 
 import ast
 import builtins
-import contextlib
 import io
 import os
 import pickle
 import signal
-import socket
-import struct
 import sys
-import threading
 import time
 from typing import Any
 
-from dmlbook import _shipping, _zygote
-
-_HEADER = struct.Struct("!Q")  # the length of the pickle that follows
-
-
-class Channel:
-    """Length-prefixed pickles over a connected stream socket, whole messages or none."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._lock = threading.Lock()  # a cell's threads may print at once
-
-    @classmethod
-    def passed_in(cls) -> Channel:
-        """In a rank: the channel whose descriptor the caller passed (``$DMLBOOK_PASSED_FDS``)."""
-        return cls(socket.socket(fileno=int(os.environ[_zygote.PASSED_FDS].split(",")[0])))
-
-    def send(self, message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock, _interrupt_after():
-            self.sock.sendall(_HEADER.pack(len(data)) + data)
-
-    def recv(self) -> Any:
-        """The next message, or None once the other end has closed."""
-        header = self._read(_HEADER.size)
-        if header is None:
-            return None
-        data = self._read(_HEADER.unpack(header)[0])
-        return None if data is None else pickle.loads(data)
-
-    def _read(self, size: int) -> bytes | None:
-        chunks, left = [], size
-        while left:
-            chunk = self.sock.recv(min(left, 1 << 20))
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def _interrupt_after():
-    """Hold a Ctrl-C (SIGINT) until the block is done, so a message is never cut in half."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers run in the main thread only
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(signal.SIGINT, None)
-        elif held and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
-
-
-class Shown:
-    """Stands in for a cell's value that cannot be pickled: its ``repr``, made on the rank."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
+from dmlbook.runtime import shipping
+from dmlbook.runtime.failures import failure_report
+from dmlbook.runtime.protocol import Channel, Shown
 
 
 class _Forward(io.TextIOBase):
@@ -187,23 +117,21 @@ def _answer(request: tuple, namespace: dict, interrupts: _Interrupts) -> tuple:
 
 
 def _report(e: BaseException) -> dict:
-    from dmlbook._rank_process import failure_report
-
     return failure_report(e, time.time(), hide=(__file__,))
 
 
 def _pack(kind: str, value: Any) -> bytes:
     try:
-        return _shipping.dumps(value)[0]
+        return shipping.dumps(value)[0]
     except Exception as e:
         if kind != "exec":
             raise TypeError(f"cannot send the value back to the caller: {e}") from e
-        return _shipping.dumps(Shown(f"{value!r}  # (not picklable: its repr)"))[0]
+        return shipping.dumps(Shown(f"{value!r}  # (not picklable: its repr)"))[0]
 
 
 def _exec(namespace: dict, source: str, filename: str, lines: list[str]) -> Any:
     """Run a cell; return the value of its last line if that is an expression (as IPython)."""
-    _shipping.install_sources({filename: lines})  # tracebacks and stack dumps show its lines
+    shipping.install_sources({filename: lines})  # tracebacks and stack dumps show its lines
     tree = ast.parse(source, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, filename, "exec"), namespace)
@@ -213,13 +141,13 @@ def _exec(namespace: dict, source: str, filename: str, lines: list[str]) -> Any:
 
 
 def _call(namespace: dict, payload: bytes, sources: dict) -> Any:
-    _shipping.install_sources(sources)
+    shipping.install_sources(sources)
     fn, args, kwargs = pickle.loads(payload)
     return fn(*args, **kwargs)
 
 
 def _push(namespace: dict, payload: bytes, sources: dict) -> None:
-    _shipping.install_sources(sources)
+    shipping.install_sources(sources)
     namespace.update(pickle.loads(payload))
 
 

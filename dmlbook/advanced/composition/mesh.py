@@ -6,17 +6,21 @@ coordinate): the ranks of a *row* split a layer between them (Megatron), the ran
 hold the same shard and average its gradients (data parallelism). Mesh-TensorFlow calls this the
 batch x model mesh; torch calls it ``init_device_mesh``.
 
-:func:`mesh_groups` is the pure layout: for each named dimension, the lists of ranks that vary
-along it. :class:`DeviceMesh` creates those process groups. ``dist.new_group`` is collective over
-the whole world (every rank must create every group, in the same order, even the groups it is not
-in), so each rank creates all of them and keeps the ones it belongs to. The last dimension varies
+:func:`~dmlbook.advanced.composition.layout.mesh_groups` is the pure table: for each named
+dimension, the lists of ranks that vary along it. :class:`DeviceMesh` creates those process
+groups. ``dist.new_group`` is collective over the whole world (every rank must create every
+group, in the same order, even the groups it is not in), so each rank creates all of them and
+keeps the ones it belongs to. The last dimension varies
 fastest: with ``("dp", "tp")`` the TP groups are neighbouring ranks, which on GPUs are the GPUs of
 one machine, joined by NVLink, as Megatron-LM places them.
 
-:func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a mesh, parallelised by
-:func:`dmlbook.advanced.parallelize.parallelize`: the tensor-parallel plan inside each TP group,
-the batch split over the DP groups, gradients averaged over DP by chapter 3's bucketed DDP.
-:func:`train_reference` is the single-process run it equals.
+:func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a grid, a
+``Layout(dp=..., tp=...)``, parallelised by the one
+:func:`~dmlbook.advanced.composition.compose.compose`: chapter 9's tensor-parallel plan inside
+each TP group, the batch split over the DP groups, gradients averaged over DP and the optimizer
+state sharded over it (ZeRO-1, chapter 9b; the update is plain Adam's, elementwise).
+:func:`~dmlbook.data_parallel.loop.train_reference` (Adam, whole batches) is the single-process
+run it equals.
 """
 
 from __future__ import annotations
@@ -29,8 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.parallelize import CHAR_GPT_PLAN, parallelize, tensor_parallel_char_gpt
-from dmlbook.models import CharGPT, train_on_batches
+from dmlbook.advanced.composition.compose import compose
+from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
+from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
+from dmlbook.comm.groups import local_rows
+from dmlbook.data_parallel.loop import ForwardBackward, train_loop
+from dmlbook.models import Batch, CharGPT
 
 __all__ = [
     "DeviceMesh",
@@ -38,37 +46,7 @@ __all__ = [
     "mesh_groups",
     "shard_of",
     "train_hybrid",
-    "train_reference",
 ]
-
-
-def _check_shape(shape: Sequence[int], dim_names: Sequence[str]) -> None:
-    if len(shape) != len(dim_names):
-        raise ValueError(
-            f"mesh shape {tuple(shape)} has {len(shape)} dimensions but the names "
-            f"{tuple(dim_names)} are {len(dim_names)}"
-        )
-    if len(set(dim_names)) != len(dim_names):
-        raise ValueError(f"mesh dimension names must differ, got {tuple(dim_names)}")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
-        raise ValueError(f"mesh sizes must be integers >= 1, got {tuple(shape)}")
-
-
-def mesh_groups(
-    shape: Sequence[int], dim_names: Sequence[str] = ("dp", "tp")
-) -> dict[str, list[list[int]]]:
-    """For each dimension, the groups of ranks that differ only in that coordinate.
-
-    ``mesh_groups((2, 2))`` is ``{"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}``: rank
-    ``r`` sits at ``(r // 2, r % 2)`` (row-major, the last dimension fastest).
-    """
-    _check_shape(shape, dim_names)
-    grid = torch.arange(math.prod(shape)).reshape(tuple(shape))
-    groups = {}
-    for d, name in enumerate(dim_names):
-        moved = grid.movedim(d, -1).reshape(-1, shape[d])  # one row per group along dimension d
-        groups[name] = [row.tolist() for row in moved]
-    return groups
 
 
 class DeviceMesh:
@@ -90,11 +68,11 @@ class DeviceMesh:
                 f"but the world has {world}"
             )
         self.shape, self.dim_names, self.rank = tuple(shape), tuple(dim_names), rank
-        self.layout = mesh_groups(shape, dim_names)
+        self.rank_lists = mesh_groups(shape, dim_names)  # dimension -> every group's ranks
         self.coordinate = self.coordinate_of(rank)
         self._groups = {}
         for name in dim_names:  # same order on every rank, as dist.new_group requires
-            for ranks in self.layout[name]:
+            for ranks in self.rank_lists[name]:
                 group = dist.new_group(ranks) if world > 1 else None
                 if rank in ranks:
                     self._groups[name] = group
@@ -114,7 +92,7 @@ class DeviceMesh:
     def ranks(self, name: str) -> list[int]:
         """The global ranks of this rank's group along ``name``, in group-rank order."""
         self._check_name(name)
-        return next(g for g in self.layout[name] if self.rank in g)
+        return next(g for g in self.rank_lists[name] if self.rank in g)
 
     def size(self, name: str) -> int:
         self._check_name(name)
@@ -143,49 +121,33 @@ class TrainResult:
     model: nn.Module  # the trained model (this rank's shard for train_hybrid)
 
 
-def train_reference(
-    make_model: Callable[[], CharGPT],
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    lr: float = 1e-2,
-) -> TrainResult:
-    """Single-process training: Adam on each whole batch, the run :func:`train_hybrid` equals."""
-    model = make_model()
-    return TrainResult(train_on_batches(model, batches, torch.optim.Adam(model.parameters(), lr)),
-                       model)  # fmt: skip
-
-
 def train_hybrid(
     make_model: Callable[[], CharGPT],
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    mesh: DeviceMesh,
+    groups: ProcessGroups,
     lr: float = 1e-2,
 ) -> TrainResult:
-    """DP x TP training on ``mesh`` (dimensions "dp" and "tp"): every rank builds the whole model
-    from the same seed and :func:`~dmlbook.advanced.parallelize.parallelize` keeps its TP shard and
-    averages its gradients over its DP group; each rank trains on its DP slice of each batch.
-    Returns the global loss per step and this rank's shard."""
-    dp_rank, dp_size = mesh.local_rank("dp"), mesh.size("dp")
-    model = parallelize(make_model(), mesh, CHAR_GPT_PLAN)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for step, (idx, targets) in enumerate(batches):
-        if len(idx) % dp_size:
-            raise ValueError(
-                f"batch {step} has {len(idx)} sequences, not divisible by the DP size {dp_size}"
-            )
-        rows = slice(dp_rank * len(idx) // dp_size, (dp_rank + 1) * len(idx) // dp_size)
-        optimizer.zero_grad()
-        _, loss = model(idx[rows], targets[rows])
-        loss.backward()  # compute, and the DP all-reduces overlapped with it
-        global_loss = loss.detach().reshape(1)
-        if dp_size > 1:
-            dist.all_reduce(global_loss, group=mesh.group("dp"))  # communication: for the curve
-            global_loss /= dp_size
-        losses.append(global_loss.item())
-        optimizer.step()
-    return TrainResult(losses, getattr(model, "module", model))  # the shard, without DDP
+    """DP x TP training on ``groups = ProcessGroups(Layout(dp=..., tp=...))``: every rank builds
+    the whole model from the same seed, :func:`~dmlbook.advanced.composition.compose.compose`
+    keeps its TP shard (chapter 9's plan) and shards Adam's state over its DP group; each rank
+    trains on its DP slice of each batch. Returns the global loss per step and this rank's
+    shard."""
+    layout = groups.layout
+    if (layout.pp, layout.cp, layout.ep) != (1, 1, 1):
+        raise ValueError(f"train_hybrid is DP x TP; layout {layout} has pp, cp or ep > 1")
+    composed = compose(make_model(), groups, CHAR_GPT_PLAN, torch.optim.Adam, lr=lr)
+    plan = [local_rows(Batch(idx, targets), groups.dp) for idx, targets in batches]  # my rows
+    # The one training loop: the composed model brings its own loss (on the split logits), the
+    # sync averages gradients over the DP group, and ``composed`` steps as ZeRO-1's optimizer.
+    state = train_loop(composed.model, composed, None, None, plan, sync=composed.sync,
+                       group=groups.dp, forward_backward=ForwardBackward(loss_fn=None))  # fmt: skip
+    losses = torch.tensor(state.losses, dtype=torch.float64)  # this rank's, per step
+    if layout.dp > 1:
+        dist.all_reduce(losses, group=groups.dp)  # communication: the global loss, for the curve
+        losses /= layout.dp
+    return TrainResult(losses.tolist(), composed.model)
 
 
-def shard_of(model: CharGPT, mesh: DeviceMesh) -> nn.Module:
+def shard_of(model: CharGPT, groups: ProcessGroups) -> nn.Module:
     """This rank's TP shard of an unsplit model (to compare a hybrid run with the reference)."""
-    return tensor_parallel_char_gpt(model, group=mesh.group("tp"))
+    return tensor_parallel_char_gpt(model, group=groups.tp)

@@ -2,17 +2,20 @@
 
 Starting a rank as a fresh interpreter spends 1-2 s of CPU importing torch. On a 2-core laptop
 that is most of what a short notebook cell costs: 2 ranks took 1.3-2.9 s to start, 4 ranks
-2.4-5.1 s, against 0.07 s and 0.13 s forked from here. So :mod:`dmlbook.launch` keeps one such
-process per caller (the name is Android's, whose app processes fork from one warm "zygote").
+2.4-5.1 s, against 0.07 s and 0.13 s forked from here. So :func:`dmlbook.launch.run` keeps one
+such process per caller (the name is Android's, whose app processes fork from one warm "zygote").
+Every chapter's ranks start here.
 
 * It imports torch and its distributed packages, and never runs a torch op: forking after an op
-  has started OpenMP's thread pool can deadlock the child. It does not import dmlbook, so a rank
-  always runs the package's current source, as a freshly spawned one would.
+  has started OpenMP's thread pool can deadlock the child. Of dmlbook it imports only the
+  standard-library leaf :mod:`dmlbook.runtime.protocol`, so a rank runs the package's current
+  source, as a freshly spawned one would: the child imports :mod:`dmlbook.runtime.rank_process`
+  after the fork.
 * Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
   with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
   Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's. A
-  persistent rank (:mod:`dmlbook.ranks`) also gets the rank's end of its control channel, whose
-  number it finds in ``$DMLBOOK_PASSED_FDS``.
+  persistent rank (:mod:`dmlbook.runtime.session`) also gets the rank's end of its control
+  channel, whose number it finds in ``$DMLBOOK_PASSED_FDS`` (:data:`protocol.PASSED_FDS`).
 * The helper reaps its children and reports each exit code, so :class:`ForkedRank` offers the
   part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
 * When the caller goes away, its end of the socket closes and the helper exits; its ranks see
@@ -30,6 +33,7 @@ that torch reads only at import (``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``) must d
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import select
@@ -40,6 +44,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from dmlbook.runtime.protocol import PASSED_FDS
 
 # Imported before the helper says it is ready (every rank needs them) ...
 PRELOAD = ("torch", "torch.distributed", "numpy", "cloudpickle")
@@ -52,9 +58,6 @@ WARM_LATER = (
 )
 START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
 _MAX_MESSAGE = 1 << 20
-# A rank's file descriptors beyond stdout and stderr (a session's control channel), as the rank
-# finds them: comma-separated numbers in this environment variable.
-PASSED_FDS = "DMLBOOK_PASSED_FDS"
 _MAX_FDS = 3
 IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
 IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
@@ -120,8 +123,8 @@ def _reap_children(sock: socket.socket) -> None:
 
 
 def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) -> None:
-    """In the forked child: become what ``python -c 'from dmlbook._rank_process import main'``
-    would have been, then run it. Never returns."""
+    """In the forked child: become what a spawned rank (``python -c`` of
+    :data:`dmlbook.runtime.rank_group.RANK_MAIN`) would have been, then run it. Never returns."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
@@ -143,7 +146,7 @@ def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) ->
         import torch.distributed as dist
 
         dist.set_debug_level_from_env()  # read at import; the caller may have changed it since
-        from dmlbook._rank_process import main
+        from dmlbook.runtime.rank_process import main  # after the fork: the current source
 
         main()  # ends in os._exit
     except BaseException:
@@ -185,7 +188,7 @@ class Zygote:
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        package_root = str(Path(__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
@@ -195,7 +198,7 @@ class Zygote:
                 sys.executable,
                 "-u",
                 "-c",
-                f"from dmlbook._zygote import serve; serve({theirs.fileno()})",
+                f"from dmlbook.runtime.zygote import serve; serve({theirs.fileno()})",
             ],
             pass_fds=[theirs.fileno()],
             env=env,
@@ -299,8 +302,9 @@ class Zygote:
         global _helper
         while True:
             with self._idle:
-                while self._alive and self._idle_left() != 0.0:
-                    self._idle.wait(self._idle_left())
+                while self._alive and (left := self._idle_left()) != 0.0:
+                    # None while ranks hold it, and for ever (inf): Condition.wait(inf) overflows
+                    self._idle.wait(None if left is None or math.isinf(left) else left)
                 if not self._alive:
                     return
             with _helper_lock, self._idle:  # the order lease() takes them in

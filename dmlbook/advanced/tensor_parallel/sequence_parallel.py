@@ -11,17 +11,20 @@ the sequence (each rank keeps the sum for its tokens only), and the region opens
 the bytes on the wire do not change; the activations per rank fall from ``replicated + split / t``
 to ``(replicated + split) / t`` (:func:`activation_bytes_per_rank`).
 
-Three layers, as in :mod:`dmlbook.advanced.tensor_parallel`:
+Three layers, as in chapter 9's tensor parallelism:
 
-* conjugate operators along the sequence: :func:`scatter_to_sequence_parallel` (keep my block;
-  all-gather backward), :func:`gather_from_sequence_parallel` (all-gather; reduce-scatter
-  backward) and :func:`reduce_scatter_to_sequence_parallel` (reduce-scatter; all-gather backward);
+* conjugate operators along the sequence, in the folder's one communication module
+  (:mod:`dmlbook.advanced.tensor_parallel.comm`, which checks that every rank split the
+  sequence the same way): :func:`scatter_to_sequence_parallel` (keep my block; all-gather
+  backward), :func:`gather_from_sequence_parallel` (all-gather; reduce-scatter backward) and
+  :func:`reduce_scatter_to_sequence_parallel` (reduce-scatter; all-gather backward); this
+  module gives their names too;
 * layers: :class:`ColumnSequenceParallelLinear` all-gathers its input inside one autograd
   function that saves only this rank's block and gathers it again in backward, as Megatron does,
   so the gathered ``(B, T, C)`` is never kept; :class:`RowSequenceParallelLinear` reduce-scatters
   its output; the MLP and attention built from them;
-* plan styles for :mod:`dmlbook.advanced.parallelize`: :class:`SequenceParallel` for modules that
-  run on the sequence block (LayerNorm, dropout; their replicated weights' gradients are summed
+* plan styles for :mod:`dmlbook.advanced.composition.plan`: :class:`SequenceParallel` for modules
+  that run on the sequence block (LayerNorm, dropout; their replicated weights' gradients are summed
   over the group, since each rank saw only its tokens), :class:`ScatterSequence` where the
   sequence is cut, and the sequence-sharded column/row, attention and MLP styles.
   :data:`SEQUENCE_PARALLEL_PLAN` applied by :func:`sequence_parallel_char_gpt` turns an
@@ -42,12 +45,26 @@ from torch import nn
 from torch.nn import functional as F
 
 from dmlbook.advanced import tensor_parallel as tp
-from dmlbook.advanced.parallelize import LossParallel, Style, VocabParallel, apply_tensor_parallel
-from dmlbook.advanced.tensor_parallel_comm import _note
+from dmlbook.advanced.composition.plan import (
+    LossParallel,
+    Style,
+    VocabParallel,
+    apply_plan,
+    expect_module,
+)
+from dmlbook.advanced.tensor_parallel.comm import (
+    _all_gather_sequence,
+    _note,
+    _reduce_scatter_sequence,
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+)
 from dmlbook.comm import collectives
-from dmlbook.comm.groups import even_block, group_rank_size
+from dmlbook.comm.groups import group_rank_size
 from dmlbook.model_parallel.memory.estimate import block_saved_terms
 from dmlbook.model_parallel.recompute import SavedTensorMeter
+from dmlbook.models import CausalSelfAttention, FeedForward
 
 __all__ = [
     "SEQUENCE_PARALLEL_PLAN",
@@ -69,101 +86,6 @@ __all__ = [
     "sequence_parallel_char_gpt",
 ]
 
-SEQ_DIM = 1  # activations are (B, T, C)
-
-# --------------------------------------------------------------------------- raw collectives
-
-
-def _block(t: torch.Tensor, group) -> torch.Tensor:
-    """This rank's block of the sequence."""
-    rank, size = group_rank_size(group)
-    start, stop = even_block(t.shape[SEQ_DIM], rank=rank, world_size=size, what="sequence length")
-    return t.narrow(SEQ_DIM, start, stop - start).contiguous()
-
-
-def _all_gather(t: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """Every rank's sequence block, concatenated: (B, T / t, C) -> (B, T, C)."""
-    _, size = group_rank_size(group)
-    if size == 1:
-        return t
-    t = t.contiguous()
-    _note("all_gather", direction, t, size)
-    pieces = [torch.empty_like(t) for _ in range(size)]
-    collectives.all_gather(pieces, t, group=group, check=False)
-    return torch.cat(pieces, dim=SEQ_DIM)
-
-
-def _reduce_scatter(t: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """The sum over the ranks of this rank's sequence block: (B, T, C) -> (B, T / t, C)."""
-    rank, size = group_rank_size(group)
-    if size == 1:
-        return t
-    even_block(t.shape[SEQ_DIM], rank=rank, world_size=size, what="sequence length")
-    blocks = [b.contiguous() for b in t.chunk(size, dim=SEQ_DIM)]
-    _note("reduce_scatter", direction, t, size)
-    out = torch.empty_like(blocks[rank])
-    collectives.reduce_scatter(out, blocks, group=group, check=False)
-    return out
-
-
-# --------------------------------------------------------------------------- conjugate operators
-
-
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    """Keep this rank's sequence block forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _block(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, "backward"), None
-
-
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    """All-gather the sequence forward; reduce-scatter the gradient backward (every rank's
-    consumer of the whole sequence contributed part of each block's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, "backward"), None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Reduce-scatter forward (sum the partial outputs, keep my tokens); all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, "backward"), None
-
-
-def scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's block of the sequence forward; all-gather of the gradient backward."""
-    return _ScatterToSequenceParallel.apply(x, group)
-
-
-def gather_from_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather of the sequence forward; reduce-scatter of the gradient backward."""
-    return _GatherFromSequenceParallel.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
-    return _ReduceScatterToSequenceParallel.apply(x, group)
-
-
 # --------------------------------------------------------------------------- layers
 
 
@@ -175,14 +97,16 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)  # (B, T / t, C): the block, not the gathered sequence
-        return F.linear(_all_gather(x, group, "forward"), weight, bias)  # (B, T, out / t)
+        return F.linear(_all_gather_sequence(x, group, "forward"), weight, bias)  # (B, T, out / t)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        whole = _all_gather(x, ctx.group, "backward")  # communication: the sequence again
+        whole = _all_gather_sequence(x, ctx.group, "backward")  # communication: the sequence again
         grad_whole = grad @ weight  # (B, T, C): this rank's columns' share of the input grad
-        grad_x = _reduce_scatter(grad_whole, ctx.group, "backward")  # summed, my tokens only
+        grad_x = _reduce_scatter_sequence(
+            grad_whole, ctx.group, "backward"
+        )  # summed, my tokens only
         grad_w = grad.flatten(0, -2).t() @ whole.flatten(0, -2)  # (out / t, C)
         grad_b = grad.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
@@ -288,7 +212,8 @@ class ScatterSequence:
 class ColwiseSequenceParallel:
     """An ``nn.Linear`` split by output features, its input a sequence block (all-gathered)."""
 
-    def __call__(self, module: nn.Linear, group) -> nn.Module:
+    def __call__(self, module: nn.Module, group) -> nn.Module:
+        expect_module(self, module, nn.Linear)
         return ColumnSequenceParallelLinear.from_linear(module, group=group)
 
 
@@ -296,7 +221,8 @@ class ColwiseSequenceParallel:
 class RowwiseSequenceParallel:
     """An ``nn.Linear`` split by input features, its output reduce-scattered along the sequence."""
 
-    def __call__(self, module: nn.Linear, group) -> nn.Module:
+    def __call__(self, module: nn.Module, group) -> nn.Module:
+        expect_module(self, module, nn.Linear)
         return RowSequenceParallelLinear.from_linear(module, group=group)
 
 
@@ -305,6 +231,7 @@ class AttentionSequenceParallel:
     """Causal self-attention, heads split, entered and left on sequence blocks."""
 
     def __call__(self, module: nn.Module, group) -> nn.Module:
+        expect_module(self, module, CausalSelfAttention)
         n_head = module.c_proj.in_features // module.head_size
         return SequenceParallelSelfAttention.from_attention(module, n_head, group)
 
@@ -314,6 +241,7 @@ class FeedForwardSequenceParallel:
     """The transformer MLP, entered and left on sequence blocks."""
 
     def __call__(self, module: nn.Module, group) -> nn.Module:
+        expect_module(self, module, FeedForward)
         return SequenceParallelMLP.from_feedforward(module, group)
 
 
@@ -326,17 +254,17 @@ SEQUENCE_PARALLEL_PLAN: dict[str, Style] = {
     "blocks.*.mlp": FeedForwardSequenceParallel(),  # all-gather ... reduce-scatter
     "ln_f": SequenceParallel(),
     "lm_head": ColwiseSequenceParallel(),  # all-gather: (B, T, V / t) for the split loss
-    "": LossParallel(),
+    "criterion": LossParallel(),
 }
 
 
 def sequence_parallel_char_gpt(model: nn.Module, group=None) -> nn.Module:
     """This rank's TP + SP shard of a char-GPT: a copy with :data:`SEQUENCE_PARALLEL_PLAN`
-    applied. Sizes as :func:`~dmlbook.advanced.parallelize.tensor_parallel_char_gpt`, and the
+    applied. Sizes as :func:`~dmlbook.advanced.composition.plan.tensor_parallel_char_gpt`, and the
     sequence length divisible by the TP size; dropout is refused."""
     if model.config.dropout:
         raise ValueError(f"sequence parallelism here needs dropout=0.0, got {model.config.dropout}")
-    return apply_tensor_parallel(copy.deepcopy(model), SEQUENCE_PARALLEL_PLAN, group)
+    return apply_plan(copy.deepcopy(model), SEQUENCE_PARALLEL_PLAN, group)
 
 
 # --------------------------------------------------------------------------- activation memory

@@ -1,11 +1,12 @@
 """What runs inside each rank process that :func:`dmlbook.launch.run` or
-:class:`dmlbook.ranks.Ranks` starts.
+:class:`dmlbook.launch.Ranks` starts (every chapter's ranks).
 
-The caller and a rank talk through files in a private temporary folder: ``meta.pkl`` and
-``payload.pkl`` in, then ``result<rank>.pkl`` or ``error<rank>.pkl`` out, each written
-atomically; ``stack<rank>.txt`` receives a faulthandler dump when the caller sends SIGUSR1.
-A session's rank (``meta["serve"]``) has no payload: once its process group is up it serves the
-caller's requests (:mod:`dmlbook._rank_server`) until the caller closes the channel.
+The caller and a rank talk through files in a private temporary folder
+(:mod:`dmlbook.runtime.protocol`): the meta data and the payload in, then the result or a
+failure report out, each written atomically; the stack file receives a faulthandler dump when
+the caller sends SIGUSR1. A session's rank (``meta["serve"]``) has no payload: once its process
+group is up it serves the caller's requests (:mod:`dmlbook.runtime.rank_server`) until the
+caller closes the channel.
 """
 
 from __future__ import annotations
@@ -19,43 +20,41 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from dmlbook import _shipping
+from dmlbook.runtime import protocol, rank_server, shipping
+from dmlbook.runtime.failures import failure_report
 
 
 def main() -> None:
     """Entry point of a rank process: set up, call fn (or serve requests), report a failure."""
     workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
     # Appended to: the caller empties it before each SIGUSR1, and a session's rank may get several.
-    stack_file = open(workdir / f"stack{rank}.txt", "a")
+    stack_file = open(protocol.stack_file(workdir, rank), "a")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable()  # a segfault still prints a Python stack on stderr
-    meta = pickle.loads((workdir / "meta.pkl").read_bytes())
+    meta = pickle.loads((workdir / protocol.META).read_bytes())
     _exit_with_parent(meta["parent_pid"], workdir)
     torch.set_num_threads(int(os.environ["DMLBOOK_THREADS"]))
     sys.path[:] = meta["sys_path"]
     os.chdir(meta["cwd"])
-    _shipping.install_sources(meta["sources"])
+    shipping.install_sources(meta["sources"])
     try:
         if meta["serve"]:
-            from dmlbook import _rank_server
-
-            channel = _rank_server.Channel.passed_in()
+            channel = protocol.Channel.passed_in()
             _init_process_group(rank, meta)
-            _rank_server.serve(channel, rank, meta["world_size"])  # until the channel closes
+            rank_server.serve(channel, rank, meta["world_size"])  # until the channel closes
             # which means the caller is gone (a caller that closes the session kills us first):
             # take what this rank started along, as a rank whose parent died does.
             _orphaned(workdir)
-        fn, args, kwargs = pickle.loads((workdir / "payload.pkl").read_bytes())
+        fn, args, kwargs = pickle.loads((workdir / protocol.PAYLOAD).read_bytes())
         _init_process_group(rank, meta)
         result = fn(*args, **kwargs)
-        _write_atomic(workdir / f"result{rank}.pkl", _shipping.dumps(result)[0])
+        protocol.write_atomic(protocol.result_file(workdir, rank), shipping.dumps(result)[0])
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
         try:
             _report_failure(workdir, rank, e, failed_at=time.time())
@@ -125,31 +124,7 @@ def _init_process_group(rank: int, meta: dict) -> None:
 
 def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:
     report = failure_report(e, failed_at, hide=(__file__,))
-    _write_atomic(workdir / f"error{rank}.pkl", pickle.dumps(report))
-
-
-def failure_report(e: BaseException, failed_at: float, hide: tuple[str, ...]) -> dict:
-    """What the caller needs to name a failure: when, a one-line summary, the traceback (without
-    the leading frames of the files in ``hide``: the runtime's own) and the exception itself."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in hide:
-        tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(e), e, tb))
-    try:
-        exception = _shipping.dumps(e)[0]
-    except Exception:
-        exception = b""
-    try:
-        summary = f"{type(e).__name__}: {e}"
-    except Exception:  # an exception whose __str__ itself fails
-        summary = f"{type(e).__name__}: <str() failed>"
-    return dict(time=failed_at, summary=summary, traceback=text, exception=exception)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # the caller sees the whole file or none of it
+    protocol.write_atomic(protocol.error_file(workdir, rank), pickle.dumps(report))
 
 
 def _exit_with_parent(parent_pid: int, workdir: Path) -> None:

@@ -1,19 +1,26 @@
-"""A 5-D layout of the ranks: data, tensor, pipeline, context and expert parallelism (chapter 13).
+"""A 5-D layout of the ranks: data, tensor, pipeline, context and expert parallelism (chapter 13;
+chapter 9 uses its two-dimensional case, ``Layout(dp=..., tp=...)``).
 
 Composing parallelisms starts with one question: which ranks talk to which? :class:`Layout` is
 the answer as a validated value, in the manner of torchtitan's ``ParallelDims``: the degrees
 ``dp``, ``tp``, ``pp``, ``cp`` and ``ep``, checked once, with errors that name the dimension.
 
 The ranks form a grid of shape ``(pp, dp, cp, tp)``, the last dimension fastest (chapter 9's
-:func:`~dmlbook.advanced.mesh.mesh_groups`): tensor-parallel groups are neighbouring ranks, the
-GPUs of one machine on a real cluster, because TP talks in every layer; pipeline stages are the
-farthest apart, because they exchange only one activation per micro-batch.
+:func:`mesh_groups`, the pure table of any named grid, is here): tensor-parallel groups are
+neighbouring ranks, the GPUs of one machine on a real cluster, because TP talks in every layer;
+pipeline stages are the farthest apart, because they exchange only one activation per
+micro-batch.
 
 Expert parallelism does not add a dimension: it **borrows** the ``dp x cp`` ranks, which all hold
-the same dense weights (torchtitan does the same). Number those ranks ``i = dp_index * cp + cp_
-index``; the EP groups are ``ep`` consecutive ``i``, and the ranks with the same place in their
+the same dense weights (torchtitan does the same). Number those ranks ``i = dp_index * cp +
+cp_index``; the EP groups are ``ep`` consecutive ``i``, and the ranks with the same place in their
 EP group hold the same experts and average their gradients: the *expert data-parallel* group
 ``edp``. So ``ep`` must divide ``dp * cp``.
+
+``zigzag`` is not a degree: it says how context parallelism cuts the sequence (2 cp chunks, rank
+r holding chunks r and 2 cp - 1 - r, when True; cp contiguous blocks when False). The layout
+carries it so that every step that cuts the sequence (the batch, the position embedding, the
+attention) reads it from one place.
 
 Every group a training step needs, from the rank grid:
 
@@ -38,16 +45,47 @@ that two names share (``dp_cp`` equals ``dp`` when ``cp == 1``) is one group, ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from dmlbook.advanced.mesh import mesh_groups
-
-__all__ = ["GROUP_NAMES", "MESH_DIMS", "Layout", "ProcessGroups"]
+__all__ = ["DEGREES", "GROUP_NAMES", "MESH_DIMS", "Layout", "ProcessGroups", "mesh_groups"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank grid, slowest to fastest
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")  # the order groups are created in
+DEGREES = ("dp", "tp", "pp", "cp", "ep")
+
+
+def _check_shape(shape: Sequence[int], dim_names: Sequence[str]) -> None:
+    if len(shape) != len(dim_names):
+        raise ValueError(
+            f"mesh shape {tuple(shape)} has {len(shape)} dimensions but the names "
+            f"{tuple(dim_names)} are {len(dim_names)}"
+        )
+    if len(set(dim_names)) != len(dim_names):
+        raise ValueError(f"mesh dimension names must differ, got {tuple(dim_names)}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+        raise ValueError(f"mesh sizes must be integers >= 1, got {tuple(shape)}")
+
+
+def mesh_groups(
+    shape: Sequence[int], dim_names: Sequence[str] = ("dp", "tp")
+) -> dict[str, list[list[int]]]:
+    """For each dimension, the groups of ranks that differ only in that coordinate.
+
+    ``mesh_groups((2, 2))`` is ``{"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}``: rank
+    ``r`` sits at ``(r // 2, r % 2)`` (row-major, the last dimension fastest).
+    """
+    _check_shape(shape, dim_names)
+    grid = torch.arange(math.prod(shape)).reshape(tuple(shape))
+    groups = {}
+    for d, name in enumerate(dim_names):
+        moved = grid.movedim(d, -1).reshape(-1, shape[d])  # one row per group along dimension d
+        groups[name] = [row.tolist() for row in moved]
+    return groups
 
 
 @dataclass(frozen=True)
@@ -60,12 +98,15 @@ class Layout:
     pp: int = 1  # pipeline stages (1F1B)
     cp: int = 1  # context parallel: the sequence (ring attention, zigzag chunks)
     ep: int = 1  # expert parallel: the experts, over ep of the dp x cp ranks
+    zigzag: bool = True  # context parallel: 2 cp chunks, one from each end (False: cp blocks)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in DEGREES:
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Layout.{f.name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"Layout.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.zigzag, bool):
+            raise ValueError(f"Layout.zigzag must be True or False, got {self.zigzag!r}")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"ep={self.ep} must divide dp x cp = {self.dp} x {self.cp} = {self.dp * self.cp}: "
@@ -82,7 +123,7 @@ class Layout:
         return self.pp, self.dp, self.cp, self.tp
 
     def __str__(self) -> str:
-        return " x ".join(f"{n}{getattr(self, n)}" for n in ("dp", "tp", "pp", "cp", "ep"))
+        return " x ".join(f"{n}{getattr(self, n)}" for n in DEGREES)  # the degrees only
 
     def validate_world(self, world_size: int) -> None:
         """A ValueError unless the degrees multiply to ``world_size``."""
@@ -99,12 +140,11 @@ class Layout:
         batch: int,
         microbatches: int = 1,
         n_experts: int = 0,
-        zigzag: bool = True,
     ) -> None:
         """A ValueError naming the dimension when the model or the batch does not split by this
         layout: heads, vocabulary and MLP width by ``tp``, the sequence by ``tp`` and ``cp`` (by
-        ``2 cp`` for the zigzag chunks), the experts by ``ep``, the layers by ``pp``, the batch
-        by ``dp`` and the micro-batches. ``config``: the char-GPT's
+        ``2 cp`` for :attr:`zigzag` chunks), the experts by ``ep``, the layers by ``pp``, the
+        batch by ``dp`` and the micro-batches. ``config``: the char-GPT's
         :class:`~dmlbook.models.GPTConfig`."""
         problems = []
 
@@ -112,7 +152,7 @@ class Layout:
             if not ok:
                 problems.append(what)
 
-        t, c = self.tp, self.cp
+        t, c, zigzag = self.tp, self.cp, self.zigzag
         need(config.n_head % t == 0, f"tp: n_head={config.n_head} is not divisible by tp={t}")
         need(config.vocab_size % t == 0, f"tp: vocab_size={config.vocab_size} is not divisible "
              f"by tp={t} (pad it with tensor_parallel.padded_vocab_size)")  # fmt: skip

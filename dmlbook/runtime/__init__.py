@@ -1,0 +1,23 @@
+"""The runtime: real rank processes for every chapter, behind :mod:`dmlbook.launch`.
+
+Read from the leaves up; every arrow points one way (``tests/test_imports.py`` checks that no
+module imports, even inside a function, one that imports it back):
+
+* ``errors``: what a failed launch raises (``RankError``, ``RankTimeoutError``,
+  ``RanksClosedError``) and the limits every module shares; a leaf;
+* ``protocol``: the wire protocol between the caller, the warm helper and the ranks (the private
+  folder's files, a session's ``Channel`` of length-prefixed pickles); a leaf, standard library
+  only, so that the helper may import it;
+* ``shipping``: functions by value, with their file names and the cells' source lines;
+* ``failures``: a rank's failure report, and the ``RankError`` that names the rank that failed
+  first;
+* ``zygote``: the warm helper that has imported torch and forks the ranks;
+* ``rank_server`` (a session's rank answering requests) and ``rank_process`` (every rank's
+  ``main``);
+* ``rank_group``: starting N ranks, watching their output and exits, killing them;
+* ``launch`` (``run``: one function on N fresh ranks, or in place under torchrun) and
+  ``session`` (``Ranks``: ranks that live across cells), and ``magic`` (``%ranks``/``%%ranks``).
+
+This ``__init__`` imports nothing: the helper imports ``zygote`` through it and must not load
+the rest of the package before it forks.
+"""

@@ -1,0 +1,143 @@
+"""Who holds which chunk, and who sends to whom: collectives drawn step by step.
+
+Chapter 2 draws which chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps
+through it) and who sends to whom at each step of the tree, recursive doubling and the ring with
+``message_schedule``; chapter 13 draws an all-to-all dispatch of tokens to experts with
+``all_to_all_dispatch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+__all__ = [
+    "all_to_all_dispatch",
+    "chunk_grid",
+    "message_schedule",
+]
+
+
+def chunk_grid(
+    holdings: Sequence[Sequence[frozenset[int]]], title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """A ranks x chunks grid: each cell lists whose contributions that rank's copy of the chunk
+    holds (``holdings[rank][chunk]``, as :func:`dmlbook.comm.collectives.chunk_holdings` replays
+    them), darker the more ranks it sums; a complete chunk is outlined.
+    """
+    world = len(holdings)
+    ax = ax or plt.subplots(figsize=(1.1 * world + 1, 0.7 * world + 0.8))[1]
+    shade = [[len(cell) / world for cell in row] for row in holdings]
+    ax.imshow(shade, cmap="Blues", vmin=0, vmax=1.6, aspect="auto")
+    for r, row in enumerate(holdings):
+        for c, cell in enumerate(row):
+            done = len(cell) == world
+            ax.text(
+                c,
+                r,
+                "all" if done else "+".join(map(str, sorted(cell))),
+                ha="center",
+                va="center",
+                fontsize=8,
+                fontweight="bold" if done else "normal",
+            )
+            if done:
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, lw=2, ec="k"))
+    ax.set_xticks(range(world), [f"chunk {c}" for c in range(world)], fontsize=8)
+    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)], fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def message_schedule(
+    sends: Sequence,
+    world_size: int,
+    title: str = "",
+    ax: plt.Axes | None = None,
+    tensor_bytes: int | None = None,
+) -> plt.Axes:
+    """Who sends to whom at each step of a collective: one column per step, one row per rank, an
+    arrow per message (recorded :class:`dmlbook.comm.trace.Send` events, gathered from every
+    rank), labelled with its size as a fraction of ``tensor_bytes`` (default: of the largest
+    message), "n" being the whole tensor. Chapter 2 draws the tree and recursive doubling with it.
+    """
+    steps = sorted({s.step for s in sends})
+    column = {step: i for i, step in enumerate(steps)}
+    whole = tensor_bytes or max((s.nbytes for s in sends), default=1) or 1
+    ax = ax or plt.subplots(figsize=(1.2 * len(steps) + 1.4, 0.55 * world_size + 0.9))[1]
+    for r in range(world_size):
+        ax.axhline(r, color="0.85", lw=1, zorder=0)
+    messages = sorted({(s.step, s.dst < s.src, s.src, s.dst, s.nbytes) for s in sends})
+    for step in steps:  # spread a step's messages across its column, so that none overlap
+        here = [m for m in messages if m[0] == step]
+        for i, (_, up, src, dst, nbytes) in enumerate(here):
+            x = column[step] + (i - (len(here) - 1) / 2) * min(0.7 / max(len(here) - 1, 1), 0.25)
+            ax.annotate(
+                "",
+                xy=(x, dst),
+                xytext=(x, src),
+                arrowprops=dict(arrowstyle="-|>", color="C3" if up else "C0", lw=1.5),
+            )
+            size = nbytes / whole
+            ax.text(
+                x + 0.03,
+                (src + dst) / 2,
+                "n" if size == 1 else f"{size:.2g}n",
+                fontsize=7,
+                ha="left",
+                va="center",
+            )
+    ax.set_xlim(-0.6, len(steps) - 0.4)
+    ax.set_ylim(world_size - 0.5, -0.5)
+    ax.set_xticks(range(len(steps)), [str(i) for i in range(len(steps))], fontsize=8)
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=8)
+    ax.set_xlabel("step (a column's messages travel together)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def all_to_all_dispatch(
+    experts: Sequence[Sequence[Sequence[int]]],
+    expert_ranges: Sequence[tuple[int, int]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Where an all-to-all dispatch sends each token: one block of rows per source rank (one row
+    per routing choice, first choice on top), one column per token, the cell naming the token's
+    expert and coloured by the rank that holds it. ``experts[r][t]`` lists token t's experts on
+    rank r (``Routing.expert``); ``expert_ranges[d]`` is rank d's ``[start, stop)`` of experts."""
+    world = len(experts)
+    k = max((len(choices) for rank in experts for choices in rank), default=1)
+    n = max((len(rank) for rank in experts), default=0)
+    ax = ax or plt.subplots(figsize=(0.42 * n + 2.6, 0.32 * world * k + 1.2))[1]
+    colours = plt.get_cmap("tab10")
+
+    def holder(expert: int) -> int:
+        return next(d for d, (lo, hi) in enumerate(expert_ranges) if lo <= expert < hi)
+
+    ticks, names = [], []
+    for src, tokens in enumerate(experts):
+        for choice in range(k):
+            y = src * (k + 0.5) + choice
+            ticks.append(y)
+            names.append(f"rank {src}, choice {choice + 1}")
+            for t, choices in enumerate(tokens):
+                if choice >= len(choices):
+                    continue
+                e = int(choices[choice])
+                ax.add_patch(plt.Rectangle((t - 0.45, y - 0.45), 0.9, 0.9,
+                                           color=colours(holder(e) % 10), alpha=0.45))  # fmt: skip
+                ax.text(t, y, f"e{e}", ha="center", va="center", fontsize=7)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(ticks[-1] + 0.6 if ticks else 1, -0.6)
+    ax.set_yticks(ticks, names, fontsize=7)
+    ax.set_xticks(range(n), [f"t{t}" for t in range(n)], fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(d % 10), alpha=0.45)
+               for d in range(len(expert_ranges))]  # fmt: skip
+    legend = [f"to rank {d} (experts {lo}-{hi - 1})" for d, (lo, hi) in enumerate(expert_ranges)]
+    ax.legend(handles, legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_xlabel("token (its position on its own rank)")
+    ax.set_title(title or "all-to-all dispatch: each token's experts, coloured by their rank",
+                 fontsize=9)  # fmt: skip
+    return ax

@@ -1,0 +1,251 @@
+"""Which rank holds which piece: split matrices, ZeRO shards, rank grids, experts and attention
+blocks.
+
+Chapter 9 draws a GEMM's column and row split with ``gemm_split`` and which rank holds what with
+``who_holds_what``; chapter 9b the ZeRO stages with ``zero_stages``; chapter 13 which rank holds
+what on a 5-D layout with ``who_holds_what``, a layout's rank grid with ``rank_grid``, the tokens
+each expert of a mixture of experts received, kept and dropped against its capacity with
+``expert_load``, and ring attention's blocks with ``ring_attention_blocks``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import matplotlib.pyplot as plt
+
+from dmlbook.viz.charts import stacked_bars
+
+__all__ = [
+    "expert_load",
+    "gemm_split",
+    "rank_grid",
+    "ring_attention_blocks",
+    "who_holds_what",
+    "zero_stages",
+]
+
+
+def gemm_split(split: str, world_size: int = 2, n: int = 4, ax: plt.Axes | None = None) -> plt.Axes:
+    """``X @ W = Y`` as three n x n grids, each element coloured by the rank that holds or
+    computes it under a ``"column"`` or ``"row"`` split of W (chapter 9): grey is held by every
+    rank, hatched is a partial sum that every rank computes and an all-reduce adds up."""
+    if split not in ("column", "row") or n % world_size:
+        raise ValueError(f"split must be 'column' or 'row' and divide {n}, got {split!r}")
+    ax = ax or plt.subplots(figsize=(7.5, 2.4))[1]
+    block = n // world_size
+    colours = plt.get_cmap("tab10")
+
+    def owner(matrix: str, i: int, j: int) -> int | None:  # None: every rank
+        if split == "column":
+            return None if matrix == "X" else j // block
+        return {"X": j // block, "W": i // block}.get(matrix)
+
+    for k, matrix in enumerate(("X", "W", "Y")):
+        x0 = k * (n + 2)
+        for i in range(n):
+            for j in range(n):
+                if split == "row" and matrix == "Y":  # a sliver of each rank's partial sum
+                    for r in range(world_size):
+                        ax.add_patch(plt.Rectangle((x0 + j + r / world_size, n - 1 - i),
+                                                   1 / world_size, 1, fc=colours(r), alpha=0.5,
+                                                   hatch="//", ec="white"))  # fmt: skip
+                    continue
+                r = owner(matrix, i, j)
+                ax.add_patch(plt.Rectangle((x0 + j, n - 1 - i), 1, 1, ec="white", alpha=0.8,
+                                           fc="0.8" if r is None else colours(r)))  # fmt: skip
+        ax.text(x0 + n / 2, n + 0.3, matrix, ha="center", fontsize=11)
+    ax.text(n + 1, n / 2, "@", ha="center", va="center", fontsize=14)
+    ax.text(2 * n + 3, n / 2, "=", ha="center", va="center", fontsize=14)
+    ax.set_xlim(-0.2, 3 * n + 4.2)
+    ax.set_ylim(-0.8, n + 1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    note = (
+        "grey: every rank holds all of X; an all-gather joins Y's columns"
+        if split == "column"
+        else "hatched: every rank computes a whole partial Y; an all-reduce adds them"
+    )
+    ax.text(0, -0.6, note, fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r)) for r in range(world_size)]
+    ax.legend(
+        handles,
+        [f"rank {r}" for r in range(world_size)],
+        fontsize=8,
+        loc="upper right",
+        bbox_to_anchor=(1.0, 1.15),
+        ncol=world_size,
+    )
+    ax.set_title(f"{split} split of W on {world_size} ranks", fontsize=9)
+    return ax
+
+
+def zero_stages(blocks: Sequence[tuple[int, int]], numel: int) -> plt.Figure:
+    """Four panels, ZeRO stages 0-3 (chapter 9b): for each rank, three strips (parameters,
+    gradients, optimizer state) across the flat model of ``numel`` elements, coloured where that
+    rank holds them. ``blocks[r]`` is rank r's shard ``(start, stop)``, the same in every strip."""
+    fig, axes = plt.subplots(1, 4, figsize=(12, 2.6), sharey=True)
+    parts = ["parameters", "gradients", "optimizer state"]
+    titles = ["stage 0: plain DP", "stage 1: P_os", "stage 2: P_os+g", "stage 3: P_os+g+p"]
+    for stage, ax in enumerate(axes):
+        for r, (start, stop) in enumerate(blocks):
+            for i in range(len(parts)):
+                y = r * 4 + (2 - i)
+                ax.broken_barh([(0, numel)], (y, 0.8), color="0.9")
+                sharded = stage >= 3 - i  # optimizer state from stage 1, gradients 2, params 3
+                span = (start, min(stop, numel) - start) if sharded else (0, numel)
+                ax.broken_barh([span], (y, 0.8), color=f"C{i}")
+        ax.set_title(titles[stage], fontsize=9)
+        ax.set_xticks([])
+        ax.set(xlabel="flat model buffer (elements)")
+    axes[0].set_yticks([r * 4 + 1.4 for r in range(len(blocks))],
+                       [f"rank {r}" for r in range(len(blocks))])  # fmt: skip
+    axes[0].set(ylabel="rank")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(3)]
+    fig.legend(handles, parts, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def who_holds_what(
+    labels: Sequence[str],
+    groups: Sequence[Sequence[int]],
+    columns: int,
+    title: str = "",
+    group_name: str = "group",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Ranks as boxes on a grid of ``columns`` (rank r at row r // columns), each box saying what
+    that rank holds (``labels[r]``), the ranks of each of ``groups`` (one dimension's process
+    groups) in one colour and joined by a line."""
+    n = len(labels)
+    rows = -(-n // columns)
+    ax = ax or plt.subplots(figsize=(1.9 * columns + 0.6, 1.25 * rows + 0.8))[1]
+    colours = plt.get_cmap("tab10")
+    colour_of = {r: colours(g % 10) for g, ranks in enumerate(groups) for r in ranks}
+    where = {r: (r % columns, rows - 1 - r // columns) for r in range(n)}
+    for r, text in enumerate(labels):
+        x, y = where[r]
+        ax.add_patch(plt.Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, color=colour_of.get(r, "0.8"),
+                                   alpha=0.3))  # fmt: skip
+        ax.text(x + 0.5, y + 0.5, f"rank {r}\n{text}", ha="center", va="center", fontsize=7)
+    for g, ranks in enumerate(groups):
+        if len(ranks) > 1:
+            xs = [where[r][0] + 0.5 for r in ranks]
+            ys = [where[r][1] + 0.15 for r in ranks]
+            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.5, ms=3)
+    ax.set_xlim(0, columns)
+    ax.set_ylim(0, rows)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title or f"who holds what: one colour per {group_name} group", fontsize=9)
+    return ax
+
+
+class _Grid(Protocol):  # what rank_grid reads of a layout, e.g. dmlbook.advanced.layout.Layout
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+    def group_ranks(self) -> dict[str, list[list[int]]]: ...
+
+
+def rank_grid(
+    layout: _Grid, groups: str | None = None, title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """The rank grid ``(pp, dp, cp, tp)`` of a layout, ``tp`` fastest: ``tp`` and then ``cp``
+    along the row, ``dp`` and then ``pp`` down the page (a gap between pipeline stages), each box
+    its rank and coordinates. ``groups`` names one kind of group of ``layout.group_ranks()``
+    (``"tp"``, ``"ep"``, ...), drawn as a coloured line through the ranks of each.
+    Chapter 13 draws its layouts with it."""
+    pp, dp, cp, tp = layout.pp, layout.dp, layout.cp, layout.tp
+    where = {}
+    for rank in range(pp * dp * cp * tp):
+        rest, t = divmod(rank, tp)
+        rest, c = divmod(rest, cp)
+        p, d = divmod(rest, dp)
+        where[rank] = (c * (tp + 0.4) + t, p * (dp + 0.4) + d, (p, d, c, t))
+    width = cp * (tp + 0.4) - 0.4
+    height = pp * (dp + 0.4) - 0.4
+    ax = ax or plt.subplots(figsize=(1.1 * width + 1.2, 0.8 * height + 1.0))[1]
+    for rank, (x, y, (p, d, c, t)) in where.items():
+        ax.add_patch(plt.Rectangle((x + 0.06, y + 0.08), 0.88, 0.84, fc="0.93", ec="0.5"))
+        ax.text(x + 0.5, y + 0.5, f"rank {rank}\npp{p} dp{d}\ncp{c} tp{t}", ha="center",
+                va="center", fontsize=6.5)  # fmt: skip
+    if groups is not None:
+        colours = plt.get_cmap("tab10")
+        for g, ranks in enumerate(layout.group_ranks()[groups]):
+            xs = [where[r][0] + 0.86 - 0.05 * (g % 3) for r in ranks]  # right of the text
+            ys = [where[r][1] + 0.86 - 0.05 * (g % 3) for r in ranks]  # below it
+            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.8, ms=3.5)
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(height + 0.1, -0.1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("tp fastest, then cp  →", fontsize=8)
+    ax.set_ylabel("↓  dp, then pp (stages apart)", fontsize=8)
+    default = f"{groups} groups" if groups else "the rank grid"
+    ax.set_title(title or default, fontsize=9)
+    return ax
+
+
+def expert_load(
+    routed: Sequence[int],
+    capacity: int | None = None,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Tokens routed to each expert of a mixture of experts (``Routing.routed_per_expert``),
+    split into those kept and those dropped beyond ``capacity`` (a dashed line)."""
+    cap = capacity if capacity is not None else max(routed, default=0)
+    parts = {
+        f"expert {e}": {"kept": min(int(n), cap), "dropped": max(0, int(n) - cap)}
+        for e, n in enumerate(routed)
+    }
+    limit = (capacity, "capacity") if capacity is not None else None
+    return stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
+
+
+def ring_attention_blocks(
+    blocks: Sequence[Sequence[object]],
+    layout: Sequence[Sequence[tuple[int, int]]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Which query chunk meets which key/value chunk, on which rank and at which ring step.
+    ``blocks[r]``: the blocks rank r computed, in order (each with ``q_chunk`` and ``k_chunk``,
+    ``[start, stop)`` positions, as :class:`dmlbook.advanced.context_parallel.AttentionBlock`);
+    ``layout[r]``: rank r's chunks. A cell (query chunk, key chunk) is coloured by the rank
+    that computed it and names the ring step: the step at which rank r holds the K/V block of
+    rank (r - step) mod p. Blank cells were never computed (wholly in the causal future).
+    Chapter 13 draws ring attention's zigzag with it."""
+    world = len(layout)
+    chunks = sorted(c for mine in layout for c in mine)
+    index = {c: i for i, c in enumerate(chunks)}
+    owner = {c: r for r, mine in enumerate(layout) for c in mine}
+    ax = ax or plt.subplots(figsize=(0.5 * len(chunks) + 2.4, 0.5 * len(chunks) + 1.0))[1]
+    colours = plt.get_cmap("tab10")
+    for rank, done in enumerate(blocks):
+        for block in done:
+            q, k = index[block.q_chunk], index[block.k_chunk]
+            step = (rank - owner[block.k_chunk]) % world
+            ax.add_patch(plt.Rectangle((k - 0.45, q - 0.45), 0.9, 0.9, color=colours(rank % 10),
+                                       alpha=0.45))  # fmt: skip
+            ax.text(k, q, f"s{step}", ha="center", va="center", fontsize=7)
+    names = [f"{a}-{b - 1}" for a, b in chunks]
+    ax.set_xticks(range(len(chunks)), names, fontsize=7, rotation=90)
+    ax.set_yticks(range(len(chunks)), [f"{n} (rank {owner[c]})" for n, c in zip(names, chunks,
+                  strict=True)], fontsize=7)  # fmt: skip
+    ax.set_xlim(-0.6, len(chunks) - 0.4)
+    ax.set_ylim(len(chunks) - 0.4, -0.6)
+    ax.set_xlabel("key/value positions")
+    ax.set_ylabel("query positions (held by)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r % 10), alpha=0.45) for r in
+               range(world)]  # fmt: skip
+    ax.legend(handles, [f"rank {r}" for r in range(world)], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title="computed by", title_fontsize=7)  # fmt: skip
+    ax.set_title(title or "ring attention: who computes each block, at which step (s)",
+                 fontsize=9)  # fmt: skip
+    return ax

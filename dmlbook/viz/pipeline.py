@@ -1,0 +1,140 @@
+"""Time lines of a step: what each stage runs when, where it idles, what recomputation reruns.
+
+Chapter 4 draws what recomputation keeps and reruns with ``checkpoint_segments``; chapters 6 and 7
+draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as white
+space), and chapter 6 hatches and totals each stage's idle time with ``idle_gaps`` to derive the
+bubble; chapter 13 draws one composed step of every rank with ``gantt`` (its gradient sync and
+optimizer step in their own colours). :mod:`dmlbook.model_parallel.schedules` draws its schedules
+with ``gantt`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import matplotlib.pyplot as plt
+
+__all__ = [
+    "GANTT_COLOURS",
+    "checkpoint_segments",
+    "gantt",
+    "idle_gaps",
+]
+
+
+def checkpoint_segments(
+    segments: Sequence[range], title: str = "", ax: plt.Axes | None = None
+) -> plt.Axes:
+    """Recomputation's plan for a chain of layers (``segments`` as
+    :func:`dmlbook.model_parallel.recompute.split_segments` cuts them): one box per layer's
+    activation, coloured by segment; solid where forward keeps it, pale where it is dropped and
+    recomputed in backward. Every segment keeps its input; the last one keeps everything (it is
+    never recomputed). Chapter 4 draws it before the recomputation code.
+    """
+    n = sum(len(seg) for seg in segments)
+    ax = ax or plt.subplots(figsize=(min(0.3 * n + 1.5, 12), 1.5))[1]
+    for k, seg in enumerate(segments):
+        last = k == len(segments) - 1
+        for layer in seg:
+            kept = last or layer == seg.start
+            ax.add_patch(
+                plt.Rectangle(
+                    (layer, 0), 0.9, 0.9, color=f"C{k % 10}", alpha=1.0 if kept else 0.25, lw=0
+                )
+            )
+    ax.set_xlim(-0.2, n + 0.1)
+    ax.set_ylim(-0.1, 1.0)
+    ax.set_yticks([])
+    ax.set_xlabel(
+        "layer (solid: activation kept in forward; pale: dropped, recomputed)", fontsize=8
+    )
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.model_parallel.pipeline.OpRecord
+    op: str
+    microbatch: int
+    start: float
+    end: float
+
+
+# forward blue, backward orange, gradient sync green, optimizer step purple; others grey
+GANTT_COLOURS = {"F": "#4c8bd6", "B": "#e8913a", "sync": "#59a14f", "step": "#b07aa1"}
+
+
+_GANTT_NAMES = {"F": "forward", "B": "backward", "sync": "gradient sync", "step": "optimizer step"}
+
+
+def gantt(
+    timelines: Sequence[Sequence[_Op]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: str = "ms",
+    labels: Sequence[str] | None = None,
+) -> plt.Axes:
+    """Per-stage timeline of a pipelined step: one row per stage (stage 0 on top), one box per
+    op from its start to its end, F and B in different colours, the micro-batch number inside.
+    White space is idle time: the pipeline bubble, measured rather than drawn from a formula.
+    """
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    rows = len(timelines)
+    ax = ax or plt.subplots(figsize=(8, 0.55 * rows + 1.1))[1]
+    starts = [r.start for timeline in timelines for r in timeline]
+    t0 = min(starts, default=0.0)
+    for row, timeline in enumerate(timelines):
+        for r in timeline:
+            left, width = (r.start - t0) * scale, (r.end - r.start) * scale
+            colour = GANTT_COLOURS.get(r.op, "0.6")
+            ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
+            if r.microbatch >= 0:  # -1: not a micro-batch's op (sync, step)
+                ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center",
+                        fontsize=7)  # fmt: skip
+    ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
+    ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, as in the book's figures
+    ax.set_xlabel(f"time since the step started ({unit})")
+    present = {r.op for timeline in timelines for r in timeline}
+    ops = [op for op in GANTT_COLOURS if op in present or op in ("F", "B")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=GANTT_COLOURS[op]) for op in ops]
+    names = [_GANTT_NAMES[op] for op in ops]
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, fontsize=9)
+    return ax
+
+
+def idle_gaps(
+    timelines: Sequence[Sequence[_Op]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: str = "ms",
+) -> plt.Axes:
+    """A :func:`gantt` chart with each stage's idle time hatched: every stretch between the step's
+    first start and its last end in which the stage computes nothing, its total written at the
+    end of the row. Chapter 6 derives the pipeline bubble by counting these gaps on a schedule
+    whose ops each last one time slot (``unit="slot"``, timelines in slots).
+    """
+    ax = gantt(timelines, title, ax, "s" if unit == "slot" else unit)
+    scale = {"slot": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    records = [r for timeline in timelines for r in timeline]
+    if not records:
+        raise ValueError("no ops: nothing ran")
+    t0, t1 = min(r.start for r in records), max(r.end for r in records)
+    for row, timeline in enumerate(timelines):
+        edge, idle = t0, 0.0
+        for start, end in sorted((r.start, r.end) for r in timeline) + [(t1, t1)]:
+            if start > edge:  # nothing ran on this stage from edge to start
+                ax.barh(row, (start - edge) * scale, left=(edge - t0) * scale, height=0.8,
+                        color="w", edgecolor="0.55", hatch="///", lw=0.5)  # fmt: skip
+                idle += start - edge
+            edge = max(edge, end)
+        total = f"{idle:g} slots" if unit == "slot" else f"{idle * scale:.0f} {unit}"
+        ax.text((t1 - t0) * scale, row, f" {total} idle", va="center", fontsize=7)
+    ax.set_xlim(0, (t1 - t0) * scale * 1.2)  # room for the idle totals
+    if unit == "slot":
+        ax.set_xlabel("time slot (every op lasts one)")
+    legend = ax.get_legend()
+    handles = [*legend.legend_handles, plt.Rectangle((0, 0), 1, 1, fc="w", ec="0.55", hatch="///")]
+    names = [t.get_text() for t in legend.get_texts()] + ["idle"]
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax

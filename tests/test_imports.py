@@ -1,0 +1,176 @@
+"""No import circle anywhere in dmlbook, counting the imports inside functions and methods.
+
+An import inside a function still ties two modules together: it only moves the failure from import
+time to the first call. So the graph here is built from every ``import`` statement in every module
+under ``dmlbook/``, read with ``ast`` (module level and nested), and each strongly connected
+component of more than one module (Tarjan's algorithm) is a circle. The edge goes to the deepest
+module a statement names (``from a.b import c`` -> ``a.b.c`` if that is a module, else ``a.b``);
+importing a submodule runs its parent packages' ``__init__`` too, but that adds no edge here: a
+package that re-exports its modules is not in a circle with them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dmlbook
+
+PACKAGE_ROOT = Path(dmlbook.__file__).resolve().parent
+
+
+def module_files(root: Path, package: str) -> dict[str, Path]:
+    """Every module under the package folder ``root``, by dotted name (a package: its __init__)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _deepest(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of the dotted ``name`` that is one of ``modules`` (None: outside)."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in modules:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` imports anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    here = module.split(".") if is_package else module.split(".")[:-1]  # its package
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package, up level - 1 more
+                base_parts = here[: len(here) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # ``from a.b import c`` names the module a.b.c if there is one, else something in a.b
+            names = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"] or [base]
+        else:
+            continue
+        for name in names:
+            target = _deepest(name, modules)
+            if target is not None and target != module:
+                found.add(target)
+    return found
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    modules = module_files(root, package)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        # Iterative depth-first search: a deep chain of imports must not hit the recursion limit.
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(found)
+
+
+def describe(found: list[list[str]], graph: dict[str, set[str]]) -> str:
+    lines = []
+    for component in found:
+        members = set(component)
+        edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        lines.append(f"circle of {len(component)}: " + ", ".join(component))
+        lines += [f"    {edge}" for edge in edges]
+    return "\n".join(lines)
+
+
+def test_dmlbook_has_no_import_circle():
+    graph = import_graph(PACKAGE_ROOT, "dmlbook")
+    assert len(graph) > 100  # the walk found the package's modules
+    found = circles(graph)
+    print(describe(found, graph) or "no circle")
+    assert not found, "import circles in dmlbook:\n" + describe(found, graph)
+
+
+def test_the_launcher_reaches_comm_but_comm_not_the_launcher():
+    """The edges the circles test relies on are really read: dmlbook.launch imports
+    comm.groups (device), and nothing in comm imports the runtime."""
+    graph = import_graph(PACKAGE_ROOT, "dmlbook")
+    assert "dmlbook.comm.groups" in graph["dmlbook.launch"]
+    for module, targets in graph.items():
+        if module.startswith("dmlbook.comm"):
+            assert not {t for t in targets if t.startswith(("dmlbook.launch", "dmlbook.runtime"))}
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    """Two modules that import each other (one inside a function, one relatively, one through
+    ``from package import module``) are reported; a package re-exporting its module is not."""
+    package = tmp_path / "planted"
+    (package / "inner").mkdir(parents=True)
+    (package / "__init__.py").write_text("from planted.inner import b\n")
+    (package / "inner" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def late():\n    from planted.inner import b\n    return b\n")
+    (package / "inner" / "b.py").write_text("from .. import a\nimport os\n")
+    (package / "c.py").write_text("import planted.a\n")
+    graph = import_graph(package, "planted")
+    assert graph["planted.inner.b"] == {"planted.a"}
+    assert graph["planted.a"] == {"planted.inner.b"}
+    assert graph["planted.c"] == {"planted.a"}
+    found = circles(graph)
+    assert found == [["planted.a", "planted.inner.b"]], describe(found, graph)
+    assert "planted.a -> planted.inner.b" in describe(found, graph)
+
+
+def test_a_longer_circle_and_two_separate_ones_are_found(tmp_path):
+    package = tmp_path / "loops"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, target in {"x": "y", "y": "z", "z": "x", "p": "q", "q": "p", "leaf": "x"}.items():
+        (package / f"{name}.py").write_text(
+            f"class K:\n    def m(self):\n        import loops.{target}\n"
+        )
+    found = circles(import_graph(package, "loops"))
+    assert found == [["loops.p", "loops.q"], ["loops.x", "loops.y", "loops.z"]]
