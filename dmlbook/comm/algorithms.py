@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from dmlbook.comm.groups import balanced_blocks
+from dmlbook.comm.groups import RING_SLICE_BYTES, balanced_blocks, ring_slices
 from dmlbook.comm.p2p import _combine, _Comm, _scratch
 from dmlbook.comm.shapecheck import ShapeCheck, fits_inline
 from dmlbook.comm.trace import Send
@@ -49,7 +49,6 @@ __all__ = [
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "naive")
 # The ring cuts each chunk into slices of about this size, so that reducing one slice overlaps
 # receiving the next. Smaller slices overlap more but pay more per-message latency.
-RING_SLICE_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- trees
@@ -107,12 +106,6 @@ def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> Non
 # --------------------------------------------------------------------------- the ring
 
 
-def _ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, int]]:
-    n = stop - start
-    parts = max(1, min(16, math.ceil(n * element_size / RING_SLICE_BYTES)))
-    return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]
-
-
 def _ring_reduce_scatter(
     comm: _Comm, flat: torch.Tensor, op, chunks, wire=None, check: ShapeCheck | None = None
 ) -> None:
@@ -129,7 +122,7 @@ def _ring_reduce_scatter(
     if size == 1:
         return
     wire = wire or flat.dtype
-    slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
+    slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
     longest = max(b - a for a, b in chunks)
     scratch = _scratch(2 * longest, flat.new_empty(0, dtype=wire)).split(longest)  # two steps'
 
@@ -184,7 +177,7 @@ def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) ->
     right, left = (rank + 1) % size, (rank - 1) % size
     if size == 1:
         return
-    slices = [_ring_slices(a, b, flat.element_size()) for a, b in chunks]
+    slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
 
     def post_recvs(step: int):  # receives are posted before the step's sends go out
         c = (rank - step - 1) % size

@@ -53,8 +53,8 @@ from dmlbook.comm.algorithms import (
     chunk_holdings,
 )
 
-# A copy, for reading: to change how the ring slices, set algorithms.RING_SLICE_BYTES.
-from dmlbook.comm.algorithms import RING_SLICE_BYTES as RING_SLICE_BYTES
+# A copy, for reading: to change how the ring slices, set comm.groups.RING_SLICE_BYTES.
+from dmlbook.comm.groups import RING_SLICE_BYTES as RING_SLICE_BYTES
 from dmlbook.comm.p2p import (
     _DTYPES,
     _check_op,

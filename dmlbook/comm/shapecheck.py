@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm.groups import balanced_blocks
+from dmlbook.comm.groups import balanced_blocks, ring_slices
 from dmlbook.comm.p2p import _DTYPES, _Comm
 
 __all__ = ["HEADER_BYTES", "INLINE_BYTES", "MAX_DIMS", "ShapeCheck", "fits_inline"]
@@ -184,10 +184,8 @@ class ShapeCheck:
 
 def ring_first_slices(numel: int, size: int, rank: int, element_size: int):
     """The slices (start, stop) of the chunk ``rank`` sends first in a ring reduce-scatter."""
-    from dmlbook.comm.algorithms import _ring_slices  # the ring's own rule, not a copy of it
-
     a, b = balanced_blocks(numel, size)[(rank - 1) % size]
-    return _ring_slices(a, b, element_size)
+    return ring_slices(a, b, element_size)  # the ring's own rule, not a copy of it
 
 
 def fits_inline(nbytes: int) -> bool:
