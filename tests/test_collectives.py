@@ -382,3 +382,85 @@ def _transfer_dtype_misuse(case):
 def test_transfer_dtype_misuse_is_refused_before_any_message(case, error, message):
     with pytest.raises(error, match=message):
         _transfer_dtype_misuse(case)
+
+
+# ---------------------------------------------------------------- the check in the first message
+
+
+def _mismatch_then_recover():
+    """Equal calls, then calls where one rank's tensor differs (the first message carries the
+    check), each caught; then an equal call must give the right sum: nothing left on the wire."""
+    from dmlbook.comm import shapecheck
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    errors = []
+    big = C.AUTO_RING_FROM_BYTES // 4
+    cases = [  # (the equal length, this rank's length, transfer dtype, inline limit in bytes)
+        (10, 10 + (rank == world - 1), None, 1 << 20),  # the first slice behind the header
+        (3000, 3000 - (rank == 0), None, 1024),  # 3-6 KiB slices: sent apart from the header
+        (7, 0 if rank == 1 else 7, None, 1 << 20),  # an empty tensor on one rank
+        (9, 9, torch.bfloat16 if rank == 0 else None, 1 << 20),  # transfer dtype on one rank
+        # at auto's threshold: from 3 ranks, rank 0 starts recursive doubling, the others the
+        # ring; its whole tensor (2 MiB) goes apart from the header
+        (big, big - (rank == 0), None, 1 << 20),
+    ]
+    # each case under the ring, recursive doubling, and auto (ranks may then start differently)
+    for algorithm in ("ring", "recursive_doubling", "auto"):
+        for same, n, wire, limit in cases:
+            shapecheck.INLINE_BYTES = limit
+            ok = torch.full((same,), float(rank))
+            C.all_reduce(ok, algorithm=algorithm)  # an equal call first
+            chosen = "ring" if wire is not None else algorithm
+            try:
+                C.all_reduce(torch.ones(n), transfer_dtype=wire, algorithm=chosen)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+            after = torch.full((same,), float(rank + 1))
+            C.all_reduce(after, algorithm=algorithm)
+            errors.append(after.tolist() == [world * (world + 1) / 2] * same)
+    return errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_shape_that_changes_between_calls_is_an_error_on_every_rank(world):
+    for rank, errors in enumerate(run(_mismatch_then_recover, world, timeout=90)):
+        messages, recovered = errors[0::2], errors[1::2]
+        assert recovered == [True] * 15, (rank, errors)
+        assert all(m is not None and "ranks passed different" in m for m in messages), messages
+        assert all(f"rank {world - 1}: (11,)" in m for m in messages[0::5])
+        assert all("(wire torch.bfloat16)" in m for m in messages[3::5])
+
+
+# --------------------------------------------------------------------------- algorithm="auto"
+
+
+def _auto_against_its_choice():
+    """auto's result is bit for bit that of the algorithm it names, on both sides of the
+    threshold, with lengths the world size does not divide."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for numel in (5, 1001, C.AUTO_RING_FROM_BYTES // 4 + 3):
+        inputs = [_input(r, numel, torch.float32, "SUM") for r in range(world)]
+        _, scale = _reference(inputs, "SUM")
+        ours, named, theirs = (inputs[rank].clone() for _ in range(3))
+        C.all_reduce(ours, algorithm="auto")
+        chosen = C.choose_all_reduce(numel * 4, world) if world > 1 else "ring"
+        C.all_reduce(named, algorithm=chosen)
+        dist.all_reduce(theirs)
+        out.append((chosen, torch.equal(ours, named), _close(ours, theirs, scale, world, slack=2)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_auto_is_the_algorithm_it_chooses_and_agrees_with_torch(world):
+    for rank_result in run(_auto_against_its_choice, world, timeout=120):
+        assert all(same and close for _, same, close in rank_result), rank_result
+
+
+def test_auto_chooses_by_size_and_world_size():
+    big, small = C.AUTO_RING_FROM_BYTES, C.AUTO_RING_FROM_BYTES - 1
+    assert [C.choose_all_reduce(n, 4) for n in (small, big)] == ["recursive_doubling", "ring"]
+    assert C.choose_all_reduce(big, 3) == "ring"
+    assert C.choose_all_reduce(64 << 20, 2) == "recursive_doubling"  # p = 2: the same bytes

@@ -415,7 +415,7 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
     )
     records = json.loads(path.read_text())
     keys = {"schedule", "stages", "microbatches", "median_step_s", "bubble_measured"}
-    keys |= {"bubble_theory", "ratio_vs_torch"}
+    keys |= {"bubble_theory", "bubble_packed", "wait_s", "message_s", "ratio_vs_torch"}
     assert [(r["schedule"], r["microbatches"]) for r in records] == [
         ("vanilla", 1),
         ("gpipe", 2),
@@ -425,6 +425,8 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
         assert set(r) == keys
         assert r["stages"] == 2 and r["median_step_s"] > 0 and r["ratio_vs_torch"] > 0
         assert 0 <= r["bubble_measured"] < 1
+        assert 0 <= r["bubble_packed"] <= r["bubble_measured"] + 1e-12
+        assert r["wait_s"] >= 0 and r["message_s"] > 0
         assert r["bubble_theory"] == pytest.approx(1 / (r["microbatches"] + 1))
 
 

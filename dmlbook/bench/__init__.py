@@ -5,7 +5,8 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
                                              # 200 launches at world size 4 (median, p95, > 1 s),
                                              # a Ranks session's start, memory (PSS) per learner
     python -m dmlbook.bench ranks            # a %%ranks cell on persistent ranks vs launch.run
-    python -m dmlbook.bench data-parallel    # average_gradients vs torch DDP, time per step
+    python -m dmlbook.bench data-parallel    # average_gradients (flat) and the per-parameter
+                                             # baseline vs torch DDP, time per step
     python -m dmlbook.bench ddp --world-size 2 --json out.json
                                              # BucketedDDP and NaiveDDP vs torch DDP, per step
     python -m dmlbook.bench allreduce --world-size 2 --sizes 64KiB,1MiB,16MiB,64MiB --json out.json
@@ -23,8 +24,10 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
                                              # the CUDA allocator (needs a GPU)
     python -m dmlbook.bench gpu-check        # `make gpu-check`: gpu tests, chapter 8 and the
                                              # GPU benchmarks on one GPU, one table at the end
-    python -m dmlbook.bench all              # every benchmark above but gpu-check (gpu only
-                                             # where CUDA is present)
+    python -m dmlbook.bench all --json out.json
+                                             # every benchmark above but gpu-check (gpu only
+                                             # where CUDA is present); the file holds every
+                                             # record, each tagged with its bench
 
 Every line prints the median of several repeats for both sides and their ratio (ours / torch's).
 These are measurements, never assertions: the tests check correctness only. Take timing claims
@@ -72,57 +75,64 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", action="store_true", help="allreduce: keep the shape check")
     parser.add_argument(
         "--json",
-        help="ranks, allreduce, ddp, recompute, pipeline, composed: write the records to this file",
+        help="write the records to this file (with all: every bench's, each tagged with its bench)",
     )
     parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
     parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: bucket size")
     args = parser.parse_args(argv)
-    every = args.which == "all"
     if args.which == "gpu-check":
         from dmlbook.bench.gpu import gpu_check
 
         raise SystemExit(gpu_check())
+    every = args.which == "all"
+    records: list[dict] = []  # every bench's records, each tagged with its bench
+
+    def keep(bench: str, rows) -> None:
+        records.extend({"bench": bench, **row} for row in rows or [])
+
     if every or args.which == "launch":
         from dmlbook.bench.launch import bench_launch
 
-        bench_launch()
+        keep("launch", bench_launch())
     if every or args.which == "ranks":
         from dmlbook.bench.ranks import bench_ranks
 
-        _write_json(bench_ranks(), args.json if args.which == "ranks" else None)
+        keep("ranks", bench_ranks())
     if every or args.which == "data-parallel":
         from dmlbook.bench.data_parallel import bench_data_parallel
 
-        bench_data_parallel(args.world_size)
+        keep("data-parallel", bench_data_parallel(args.world_size))
     if every or args.which == "ddp":
         from dmlbook.bench.ddp import bench_ddp
 
         models = tuple(args.models.split(","))
-        json_path = args.json if args.which == "ddp" else None
-        bench_ddp(args.world_size, models, args.steps, 5, args.bucket_cap_mb, json_path)
+        keep("ddp", bench_ddp(args.world_size, models, args.steps, 5, args.bucket_cap_mb))
     if every or args.which == "allreduce":
         from dmlbook.bench.allreduce import bench_allreduce, parse_size
 
         sizes = tuple(parse_size(s) for s in args.sizes.split(","))
-        bench_allreduce(args.world_size, sizes, args.repeats, check=args.check, json_path=args.json)
+        keep("allreduce", bench_allreduce(args.world_size, sizes, args.repeats, check=args.check))
     if every or args.which == "recompute":
         from dmlbook.bench.recompute import bench_recompute
 
-        bench_recompute(json_path=args.json if args.which == "recompute" else None)
+        keep("recompute", bench_recompute())
     if every or args.which == "pipeline":
         from dmlbook.bench.pipeline import bench_pipeline
 
-        bench_pipeline(json_path=args.json if args.which == "pipeline" else None)
+        keep("pipeline", bench_pipeline())
     if every or args.which == "netlab":
         from dmlbook.bench.netlab import bench_netlab
 
-        bench_netlab()
+        keep("netlab", bench_netlab())
     if every or args.which == "composed":
         from dmlbook.bench.composed import bench_composed
 
-        bench_composed(json_path=args.json if args.which == "composed" else None)
+        keep("composed", bench_composed())
     if (every and torch.cuda.is_available()) or args.which == "gpu":
         from dmlbook.bench.gpu import bench_gpu
 
-        _write_json(bench_gpu(), args.json if args.which == "gpu" else None)
+        keep("gpu", bench_gpu())
+    if not every:  # one bench: its own records, as before, without the tag
+        records = [{k: v for k, v in row.items() if k != "bench"} for row in records]
+    _write_json(records, args.json)

@@ -36,7 +36,7 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
     # On the CPU, chapter 4's shared-memory transport, and one core's copy of the same bytes:
     # what memory alone allows, a ceiling for any transport between ranks on one host.
     extra = ["shm", "memcpy"] if dev.type == "cpu" else []
-    contenders = [*collectives.ALGORITHMS, *extra, "torch"]
+    contenders = [*collectives.ALGORITHMS, "auto", *extra, "torch"]
     records = []
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
@@ -76,7 +76,8 @@ def bench_allreduce(
     """Median time of each dmlbook all-reduce algorithm against torch's, at each message size.
 
     ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
-    The shape check (one extra round) is off unless ``check``; torch's all_reduce has none. On
+    The shape check (in the ring's first message; a message of its own for the others) is off
+    unless ``check``; torch's all_reduce has none. On
     the CPU the rows include ``shm`` (:mod:`dmlbook.comm.shm`) and ``memcpy``, one core copying
     the same bytes (its "busbw" is simply bytes / time).
     """

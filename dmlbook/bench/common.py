@@ -12,16 +12,24 @@ import torch
 import torch.distributed as dist
 
 
-def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> float:
+def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> dict:
+    """Print one figure beside its baseline (medians, their ratio); return it as a record."""
     a, b = statistics.median(ours), statistics.median(theirs)
     print(f"{name:38s} ours {a:8.3f} {unit}   torch {b:8.3f} {unit}   ratio {a / b:5.2f}x")
-    return a / b
+    return dict(name=name, median=a, baseline_median=b, ratio=a / b, unit=unit, runs=len(ours))
 
 
 def _write_json(records: list[dict], path: str | None) -> None:
+    """Write ``records`` to ``path`` whole or not at all (a temporary file, then a rename)."""
     if path:
-        with open(path, "w") as f:
-            json.dump(records, f, indent=1)
+        partial = f"{path}.{os.getpid()}.partial"
+        try:
+            with open(partial, "w") as f:
+                json.dump(records, f, indent=1, default=str)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
         print(f"wrote {len(records)} records to {path}")
 
 

@@ -43,21 +43,24 @@ def _torch_spawn_rank(rank: int, world_size: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-def bench_launch(repeats: int = 5) -> None:
-    """Every figure of this module: the comparison, the tail, a session's start, the memory."""
+def bench_launch(repeats: int = 5) -> list[dict]:
+    """Every figure of this module: the comparison, the tail, a session's start, the memory;
+    returned as records (``what`` says which)."""
     print(_load_average())
-    bench_launch_vs_torch(repeats)
-    bench_launch_tail()
-    bench_session_start(repeats)
-    bench_memory()
+    records = [dict(what="launch vs mp.spawn", **r) for r in bench_launch_vs_torch(repeats)]
+    records.append(dict(what="launch tail", world_size=TAIL_WORLD_SIZE, **bench_launch_tail()))
+    records += [dict(what="Ranks start", **r) for r in bench_session_start(repeats)]
+    records += [dict(what="memory (PSS, MiB)", **r) for r in bench_memory()]
+    return records
 
 
-def bench_launch_vs_torch(repeats: int = 5) -> None:
+def bench_launch_vs_torch(repeats: int = 5) -> list[dict]:
     """Wall time from the call to the results of one all-reduce on N new ranks: ranks forked
     from the warm helper (the default), ranks as fresh interpreters (``DMLBOOK_START=spawn``),
     and torch's ``mp.spawn``, interleaved."""
     os.environ.pop("DMLBOOK_START", None)  # the default first, then spawn explicitly
     run(_one_all_reduce, 1)  # the helper starts once per caller; its start is not a launch
+    records = []
     for world_size in (2, 4):
         forked, spawned, theirs = [], [], []
         for _ in range(repeats):
@@ -74,8 +77,10 @@ def bench_launch_vs_torch(repeats: int = 5) -> None:
             start = time.perf_counter()
             mp.spawn(_torch_spawn_rank, args=(world_size, free_port()), nprocs=world_size)
             theirs.append(time.perf_counter() - start)
-        _report(f"launch + all-reduce, {world_size} ranks, forked", forked, theirs)
-        _report(f"launch + all-reduce, {world_size} ranks, spawned", spawned, theirs)
+        records.append(_report(f"launch + all-reduce, {world_size} ranks, forked", forked, theirs))
+        name = f"launch + all-reduce, {world_size} ranks, spawned"
+        records.append(_report(name, spawned, theirs))
+    return records
 
 
 def bench_launch_tail(launches: int = TAIL_LAUNCHES, world_size: int = TAIL_WORLD_SIZE) -> dict:
@@ -92,6 +97,7 @@ def bench_launch_tail(launches: int = TAIL_LAUNCHES, world_size: int = TAIL_WORL
         p95=times[min(len(times) - 1, round(0.95 * len(times)) - 1)],
         slowest=times[-1],
         over_1s=sum(t > SLOW_S for t in times),
+        launches=launches,
     )
     print(
         f"launch + all-reduce, {world_size} ranks, {launches} launches: median "
@@ -102,9 +108,10 @@ def bench_launch_tail(launches: int = TAIL_LAUNCHES, world_size: int = TAIL_WORL
     return figures
 
 
-def bench_session_start(repeats: int = 5) -> None:
+def bench_session_start(repeats: int = 5) -> list[dict]:
     """From ``Ranks(N)`` to ranks that answer (their process group is up), then close."""
     run(_one_all_reduce, 1)  # a helper that is already up: its own start is not the session's
+    records = []
     for world_size in (2, 4):
         starts = []
         for _ in range(repeats):
@@ -116,6 +123,10 @@ def bench_session_start(repeats: int = 5) -> None:
             f"Ranks({world_size}) start: median {statistics.median(starts):.3f} s,"
             f" slowest {max(starts):.3f} s over {repeats}"
         )
+        records.append(
+            dict(world_size=world_size, median=statistics.median(starts), slowest=max(starts))
+        )
+    return records
 
 
 def pss_mib(pid: int) -> float | None:

@@ -71,7 +71,7 @@ def _pipeline_step_times(
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest stage's time
         return elapsed.item(), result
 
-    out = {case: {"ours": [], "torch": [], "timelines": []} for case in cases}
+    out = {case: {"ours": [], "torch": [], "timelines": [], "wait": []} for case in cases}
     for i in range(warmup + steps):
         for case in cases[i % len(cases) :] + cases[: i % len(cases)]:  # rotate the order
             ours_s, result = timed(ours.train_step, x, y, loss_fn, case[1], case[0])
@@ -80,7 +80,29 @@ def _pipeline_step_times(
                 out[case]["ours"].append(ours_s)
                 out[case]["torch"].append(torch_s)
                 out[case]["timelines"].append(result.timeline)
+                out[case]["wait"].append(result.wait_s)
+    out["message_s"] = {m: one_message_s(batch // m, width, dev) for _, m in cases}
     return out
+
+
+def one_message_s(rows: int, width: int, dev=None, repeats: int = 20) -> float:
+    """On stages 0 and 1 of a launch (chapter 6 runs it beside its pipeline): the median
+    one-way time of one activation (rows x width float32) between them, from ping-pongs timed
+    in the same run: what each message of the pipeline costs here."""
+    rank = dist.get_rank()
+    buf = torch.zeros(rows, width, device=dev or device())
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
 
 
 def bench_pipeline(
@@ -120,11 +142,13 @@ def bench_pipeline(
     print(
         f"pipeline step, {stages} stages, MLP {depth} x Linear({width}, {width}), batch {batch}, "
         f"median of {steps} steps (slowest stage), {_load_average()}\n"
-        "bubble: measured idle fraction; packed: the same op times with instant messages"
+        "bubble: measured idle fraction; packed: the same op times with instant messages;\n"
+        "wait: a stage's time blocked in receives per step; msg: one activation's one-way time"
     )
     print(
         f"{'schedule':>8s} {'M':>3s} {'median':>10s} {'bubble':>7s} {'packed':>7s} "
-        f"{'theory':>7s} " + (f"{'torch':>10s} {'vs torch':>8s}" if versus_torch else "")
+        f"{'theory':>7s} {'wait':>8s} {'msg':>8s} "
+        + (f"{'torch':>10s} {'vs torch':>8s}" if versus_torch else "")
     )
     records = []
     for case in cases:
@@ -137,6 +161,10 @@ def bench_pipeline(
         # the same op durations with instant messages: what is left of the gap to the theory
         packed = statistics.median(pp.measured_bubble(pp.packed_timelines(t)) for t in per_step)
         theory = pp.bubble_theory(stages, m)
+        wait_s = statistics.median(
+            max(w) for w in zip(*(measured[r][case]["wait"] for r in range(stages)), strict=True)
+        )
+        message_s = measured[0]["message_s"][m]
         records.append(
             {
                 "schedule": schedule,
@@ -145,12 +173,16 @@ def bench_pipeline(
                 "median_step_s": step_s,
                 "bubble_measured": bubble,
                 "bubble_theory": theory,
+                "bubble_packed": packed,
+                "wait_s": wait_s,
+                "message_s": message_s,
                 "ratio_vs_torch": ratio,
             }
         )
         print(
             f"{schedule:>8s} {m:3d} {1e3 * step_s:8.1f}ms {bubble:7.3f} {packed:7.3f} "
-            f"{theory:7.3f} " + (f"{1e3 * torch_s:8.1f}ms {ratio:7.2f}x" if versus_torch else "")
+            f"{theory:7.3f} {1e3 * wait_s:6.1f}ms {1e3 * message_s:6.2f}ms "
+            + (f"{1e3 * torch_s:8.1f}ms {ratio:7.2f}x" if versus_torch else "")
         )
     _write_json(records, json_path)
     return records

@@ -42,16 +42,19 @@ from dmlbook.comm import shm, trace
 from dmlbook.comm.algorithms import (
     _ALL_REDUCE,
     ALGORITHMS,
+    AUTO_RING_FROM_BYTES,
+    _recursive_doubling_all_reduce,
     _ring_all_gather,
     _ring_all_reduce,
     _ring_reduce_scatter,
     _tree_broadcast,
     _tree_reduce,
+    choose_all_reduce,
     chunk_holdings,
 )
 
-# A copy, for reading: to change how the ring slices, set algorithms.RING_SLICE_BYTES.
-from dmlbook.comm.algorithms import RING_SLICE_BYTES as RING_SLICE_BYTES
+# A copy, for reading: to change how the ring slices, set comm.groups.RING_SLICE_BYTES.
+from dmlbook.comm.groups import RING_SLICE_BYTES as RING_SLICE_BYTES
 from dmlbook.comm.p2p import (
     _DTYPES,
     _check_op,
@@ -61,10 +64,13 @@ from dmlbook.comm.p2p import (
     _flat,
     _write_back,
 )
+from dmlbook.comm.shapecheck import ShapeCheck
 from dmlbook.comm.trace import Send
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO_RING_FROM_BYTES",
+    "choose_all_reduce",
     "Send",
     "all_gather",
     "all_reduce",
@@ -86,40 +92,12 @@ def recording() -> AbstractContextManager[list[Send]]:
 
 # --------------------------------------------------------------------------- the shape check
 
-_DTYPE_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
-_MAX_DIMS = 8
-_CHECK_TAGS = 1 << 20  # tags for the shape check, clear of the algorithms' step numbers
-
 
 def _check_same_shape(comm: _Comm, tensor: torch.Tensor, what: str) -> None:
-    """One ring all-gather of a few integers: did every rank pass the same shape and dtype?
-
-    Point-to-point code given mismatched tensors would wait for messages that never come; this
-    turns the mismatch into a ValueError on every rank, naming the ranks that disagree.
-    """
-    if comm.size == 1:
-        return
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"{comm.collective} supports tensors of up to {_MAX_DIMS} dimensions")
-    width = 2 + _MAX_DIMS
-    mine = [tensor.dim(), _DTYPE_CODE[tensor.dtype], *tensor.shape]
-    fields = torch.zeros(comm.size * width, dtype=torch.int64, device=tensor.device)
-    fields[comm.rank * width : comm.rank * width + len(mine)] = torch.tensor(mine)
-    comm.tag_base = _CHECK_TAGS
-    try:
-        _ring_all_gather(comm, fields, [(r * width, (r + 1) * width) for r in range(comm.size)])
-    finally:
-        comm.tag_base = 0
-    rows = fields.view(comm.size, width).tolist()
-    if any(row != rows[0] for row in rows):
-
-        def describe(row):
-            return f"{tuple(row[2 : 2 + row[0]])} {_DTYPES[row[1]]}"
-
-        found = ", ".join(
-            f"rank {comm.global_rank(r)}: {describe(row)}" for r, row in enumerate(rows)
-        )
-        raise ValueError(f"{comm.collective}: ranks passed different {what} ({found})")
+    """The header alone to and from every peer (:class:`~dmlbook.comm.shapecheck.ShapeCheck`):
+    a mismatch is a ValueError on every rank, naming the ranks that disagree, never a hang."""
+    if comm.size > 1:
+        ShapeCheck(comm, tensor, what).exchange()
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -135,7 +113,10 @@ def all_reduce(
 ) -> None:
     """Reduce ``tensor`` over the ranks of ``group`` with ``op``; every rank gets the result.
 
-    ``transfer_dtype`` (ring only, a floating tensor): send chunks in that dtype, e.g.
+    ``algorithm="auto"`` chooses by size, as production libraries do: recursive doubling for
+    small tensors, the ring for large ones (:func:`~dmlbook.comm.algorithms.choose_all_reduce`,
+    whose threshold chapter 4 measures). ``transfer_dtype`` (ring only, a floating tensor;
+    with "auto", the ring): send chunks in that dtype, e.g.
     ``torch.bfloat16``, and add them up in ``tensor``'s own precision. ``algorithm="shm"``
     sends no message at all: ranks on one host meet in shared memory (:mod:`dmlbook.comm.shm`,
     chapter 4), and its size check is free.
@@ -144,28 +125,42 @@ def all_reduce(
         return shm.all_reduce(tensor, op, group)
     _check_tensor(tensor)
     _check_op(op, tensor.dtype)
-    if algorithm not in _ALL_REDUCE:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS} or 'shm', got {algorithm!r}")
+    if algorithm not in _ALL_REDUCE and algorithm != "auto":
+        raise ValueError(
+            f"algorithm must be one of {ALGORITHMS}, 'auto' or 'shm', got {algorithm!r}"
+        )
     if transfer_dtype is not None:
         _check_transfer_dtype(transfer_dtype, tensor.dtype, op, algorithm)
     comm = _Comm(group, "all_reduce")
     if not comm.member():
         return
-    if check:
+    if comm.size == 1:
+        return
+    if algorithm == "auto":  # by size, as NCCL and gloo choose (chapter 4)
+        nbytes = tensor.numel() * tensor.element_size()
+        algorithm = "ring" if transfer_dtype else choose_all_reduce(nbytes, comm.size)
+    # The ring and recursive doubling carry the check in their first message; the others send
+    # it alone first.
+    carried = check and algorithm in ("ring", "recursive_doubling") and tensor.numel() > 0
+    if check and not carried:
         _check_same_shape(comm, tensor, "tensor shapes or dtypes")
-    if comm.size == 1 or tensor.numel() == 0:
+    if tensor.numel() == 0:
         return
     flat = _flat(tensor)
-    if transfer_dtype is None:
-        _ALL_REDUCE[algorithm](comm, flat, op)
+    what = "tensor shapes or dtypes"
+    shapes = ShapeCheck(comm, tensor, what, transfer_dtype) if carried else None
+    if algorithm == "ring":
+        _ring_all_reduce(comm, flat, op, transfer_dtype, shapes)
+    elif algorithm == "recursive_doubling":
+        _recursive_doubling_all_reduce(comm, flat, op, shapes)
     else:
-        _ring_all_reduce(comm, flat, op, wire=transfer_dtype)
+        _ALL_REDUCE[algorithm](comm, flat, op)
     _finish_avg(flat, op, comm.size)
     _write_back(tensor, flat)
 
 
 def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: str) -> None:
-    if algorithm != "ring":
+    if algorithm not in ("ring", "auto"):
         raise ValueError(f"transfer_dtype is a ring option; algorithm={algorithm!r} sends as is")
     if not (wire.is_floating_point and dtype.is_floating_point) or wire not in _DTYPES:
         raise TypeError(f"transfer_dtype={wire} for a {dtype} tensor: both must be floating")

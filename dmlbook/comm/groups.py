@@ -124,3 +124,15 @@ def padded_block(size: int, *, rank: int, world_size: int) -> tuple[int, int]:
     _check(size, rank, world_size)
     block = math.ceil(size / world_size)
     return rank * block, (rank + 1) * block
+
+
+# A ring's chunk travels as slices of about this many bytes (at most 16 a chunk), so that receiving
+# the next slice overlaps adding the last one (chapter 4; dmlbook.comm.algorithms).
+RING_SLICE_BYTES = 1 << 20
+
+
+def ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, int]]:
+    """The slices ``(start, stop)`` in which a ring sends the chunk ``[start, stop)``."""
+    n = stop - start
+    parts = max(1, min(16, math.ceil(n * element_size / RING_SLICE_BYTES)))
+    return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]

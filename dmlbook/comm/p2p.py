@@ -26,7 +26,8 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 
 class _Comm:
-    """A rank's view of a group: its rank and size there, and messages addressed by group rank."""
+    """A rank's view of a group: its rank and size there, and messages addressed by group rank
+    (translated to global ranks for ``dist.isend``, as ``torch.distributed`` wants)."""
 
     def __init__(self, group, collective: str) -> None:
         self.group = group
@@ -35,7 +36,7 @@ class _Comm:
         self.collective = collective
         self.pending: list[dist.Work] = []
         self.in_flight: list[torch.Tensor] = []  # tensors made just to be sent, kept until sent
-        self.tag_base = 0  # the shape check uses its own tags, and is not recorded
+        self._me = self.global_rank(self.rank) if self.rank >= 0 else -1
 
     def member(self) -> bool:
         return self.rank >= 0
@@ -60,26 +61,21 @@ class _Comm:
         """Start sending ``t`` to group rank ``peer``; :meth:`wait_all` finishes it."""
         if t.numel() == 0:
             return
-        dst = self.global_rank(peer)
-        if self.tag_base == 0:  # the shape check is plumbing, not the algorithm's traffic
-            trace.record(
-                Send(
-                    self.collective,
-                    phase,
-                    step,
-                    self.global_rank(self.rank),
-                    dst,
-                    t.numel() * t.element_size(),
-                    chunk,
-                )
-            )
-        self.pending.append(dist.isend(t, dst, group=self.group, tag=self.tag_base + step))
+        self.record(t, peer, step, phase, chunk)
+        self.pending.append(dist.isend(t, self.global_rank(peer), self.group, step))
         self.in_flight.append(t)
+
+    def record(self, t: torch.Tensor, peer: int, step: int, phase: str, chunk=None) -> None:
+        """Count ``t`` as a message to ``peer`` in any open ``recording()`` block."""
+        if trace.is_recording():
+            nbytes = t.numel() * t.element_size()
+            dst = self.global_rank(peer)
+            trace.record(Send(self.collective, phase, step, self._me, dst, nbytes, chunk))
 
     def irecv(self, t: torch.Tensor, peer: int, step: int) -> dist.Work | None:
         if t.numel() == 0:
             return None
-        return dist.irecv(t, self.global_rank(peer), group=self.group, tag=self.tag_base + step)
+        return dist.irecv(t, self.global_rank(peer), self.group, step)
 
     def recv(self, t: torch.Tensor, peer: int, step: int) -> None:
         work = self.irecv(t, peer, step)

@@ -17,7 +17,11 @@ enough to read:
   its slot, all but chunk r (the same chunks as chapter 2's ring), which only rank r needs;
   barrier; rank r adds chunk r of every other slot into its own tensor and puts the sum into
   chunk r of its slot; barrier; each rank copies every other chunk of the sum from its owner's
-  slot; barrier (before the slots are written again). No byte crosses a socket.
+  slot. No byte crosses a socket.
+* **Two sets of slots, used in turn**, so that no barrier is needed at the end: a round writes
+  the set the round before last read, and no rank starts that round before every rank has
+  passed the first barrier of the round between, so every read of the old round is done. Two
+  barriers per round, not three (each costs a wake-up when a rank waits for a descheduled peer).
 
 The functions follow ``torch.distributed``'s signatures. ``check`` is free here: each rank writes
 its tensor's size and dtype into the header at the first barrier, and every rank compares them,
@@ -43,7 +47,7 @@ __all__ = ["SLOT_BYTES", "SharedMemoryGroup", "all_gather", "all_reduce", "reduc
 
 SLOT_BYTES = 8 << 20  # each rank's slot; larger tensors go through in pieces of this size
 _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks never share one
-# Word 0 is the rank's barrier count; words 1-2 or 3-4 (by the count's parity) what the call
+# Word 0 is the rank's barrier count; words 1-2 or 3-4 (by the round's parity) what the call
 # passed, its numel and dtype. Two places, because a rank that has raised on a mismatch may
 # publish its next call's while a slower rank still reads this one's.
 _COUNT = 0
@@ -52,14 +56,16 @@ _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 @dataclass
 class SharedMemoryGroup:
-    """A group's shared buffer: ``header[r]`` is rank r's line, ``slots[r]`` its bytes."""
+    """A group's shared buffer: ``header[r]`` is rank r's line, ``slots[s, r]`` its bytes in
+    set s (rounds alternate between the two sets)."""
 
     rank: int
     size: int
     header: torch.Tensor  # (size, _HEADER_WORDS) int64, in shared memory
-    slots: torch.Tensor  # (size, slot_bytes) uint8, in shared memory
+    slots: torch.Tensor  # (2, size, slot_bytes) uint8, in shared memory
     timeout: float
     count: int = 0  # barriers this rank has passed
+    rounds: int = 0  # rounds (a call's pieces that fit a slot) this rank has started
 
     @classmethod
     def create(cls, group=None, slot_bytes: int = SLOT_BYTES, timeout: float = 60.0):
@@ -70,7 +76,7 @@ class SharedMemoryGroup:
             )
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         header_bytes = size * _HEADER_WORDS * 8
-        total = header_bytes + size * slot_bytes
+        total = header_bytes + 2 * size * slot_bytes
         if rank == 0:
             fd = os.memfd_create("dmlbook-shm", os.MFD_CLOEXEC)  # a label, not a name to share
             os.ftruncate(fd, total)
@@ -97,7 +103,7 @@ class SharedMemoryGroup:
         dist.barrier(group=group)  # every rank has mapped it: the file itself may go
         os.close(fd)  # the mappings keep the memory; the last one gone frees it
         header = memory[:header_bytes].view(torch.int64).view(size, _HEADER_WORDS)
-        slots = memory[header_bytes:].view(size, slot_bytes)
+        slots = memory[header_bytes:].view(2, size, slot_bytes)
         return cls(rank, size, header, slots, timeout)
 
     # ------------------------------------------------------------------ synchronisation
@@ -135,17 +141,19 @@ class SharedMemoryGroup:
             raise ValueError(f"{what} differ across ranks: {found}")
 
     def _published(self) -> int:
-        return 1 + 2 * (self.count % 2)
+        return 1 + 2 * (self.rounds % 2)
 
     def slot(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.slots[rank].view(dtype)[:numel]
+        """Rank ``rank``'s slot in this round's set."""
+        return self.slots[self.rounds % 2, rank].view(dtype)[:numel]
 
     # ------------------------------------------------------------------ the collectives
 
     def all_reduce(self, flat: torch.Tensor, op) -> None:
         """``flat`` (1-D, contiguous) reduced in place, in pieces that fit a slot."""
-        per_slot = self.slots.shape[1] // flat.element_size()
+        per_slot = self.slots.shape[2] // flat.element_size()
         for start in range(0, max(1, flat.numel()), per_slot):  # once, even when empty
+            self.rounds += 1
             piece = flat[start : start + per_slot]
             blocks = balanced_blocks(piece.numel(), self.size)  # chunk r is rank r's to reduce
             lo, hi = blocks[self.rank]
@@ -162,25 +170,26 @@ class SharedMemoryGroup:
             for r, (a, b) in enumerate(blocks):  # 3. the other chunks, from their owners' slots
                 if r != self.rank:
                     piece[a:b].copy_(self.slot(r, piece.dtype, piece.numel())[a:b])
-            self.barrier()  # the slots are read by all before anyone writes them again
+            # no barrier here: the next round writes the other set of slots
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """``out`` (size x numel, contiguous) gets every rank's ``flat``, in pieces."""
-        per_slot = self.slots.shape[1] // flat.element_size()
+        per_slot = self.slots.shape[2] // flat.element_size()
         for start in range(0, max(1, flat.numel()), per_slot):
+            self.rounds += 1
             piece = flat[start : start + per_slot]
             self.slot(self.rank, piece.dtype, piece.numel()).copy_(piece)
             self.barrier(flat.numel(), piece.dtype)
             self.check_same("all_gather tensor sizes or dtypes")
             for r in range(self.size):
                 out[r, start : start + len(piece)].copy_(self.slot(r, piece.dtype, len(piece)))
-            self.barrier()
 
     def reduce_scatter(self, out: torch.Tensor, inputs: torch.Tensor, op) -> None:
         """``out`` (numel) = the reduction over ranks of ``inputs[self.rank]`` (size x numel)."""
-        per_slot = self.slots.shape[1] // (inputs.element_size() * self.size)
+        per_slot = self.slots.shape[2] // (inputs.element_size() * self.size)
         numel = inputs.shape[1]
         for start in range(0, max(1, numel), per_slot):
+            self.rounds += 1
             part = inputs[:, start : start + per_slot]  # (size, n): my contribution to each rank
             n = part.shape[1]
             self.slot(self.rank, part.dtype, self.size * n).view(self.size, n).copy_(part)
@@ -193,7 +202,6 @@ class SharedMemoryGroup:
             mine.copy_(rows[0][self.rank])
             for r in range(1, self.size):
                 _combine(mine, rows[r][self.rank], op)
-            self.barrier()
 
 
 def _boot_id() -> torch.Tensor:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["Send", "record", "recording"]
+__all__ = ["Send", "is_recording", "record", "recording"]
 
 # The recorders open in this context, innermost last: (the list they fill, the kind they keep).
 _recorders: ContextVar[tuple[tuple[list, type], ...]] = ContextVar("dmlbook_recorders", default=())
@@ -36,6 +36,11 @@ def recording(kind: type = object) -> Iterator[list]:
         yield events
     finally:
         _recorders.reset(token)
+
+
+def is_recording() -> bool:
+    """Is any recorder open here? (Lets a hot path skip building events nobody keeps.)"""
+    return bool(_recorders.get())
 
 
 def record(event: object) -> None:

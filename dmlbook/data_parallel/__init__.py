@@ -19,6 +19,7 @@ from dmlbook.data_parallel.averaging import (
     GradientAveraging,
     ModelAveraging,
     average_gradients,
+    average_gradients_per_parameter,
     average_parameters,
     broadcast_parameters,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "accuracy",
     "assign_buckets",
     "average_gradients",
+    "average_gradients_per_parameter",
     "average_parameters",
     "broadcast_parameters",
     "linear_scaling",

@@ -5,8 +5,9 @@
   as its last gradient is ready, and a callback queued in the autograd engine waits for them all
   at the end of backward. It has torch's ``no_sync``, ``find_unused_parameters`` and
   ``register_comm_hook``, and its tests check it against torch's DDP.
-* :class:`NaiveDDP` is chapter 1's :func:`~dmlbook.data_parallel.average_gradients` behind the
-  same interface: one blocking all-reduce per parameter after backward, so a notebook (and
+* :class:`NaiveDDP` is chapter 1's
+  :func:`~dmlbook.data_parallel.average_gradients_per_parameter` behind the same interface:
+  one blocking all-reduce per parameter after backward, so a notebook (and
   ``python -m dmlbook.bench ddp``) can set the two side by side.
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dmlbook.data_parallel.averaging import average_gradients, broadcast_parameters
+from dmlbook.data_parallel.averaging import average_gradients_per_parameter, broadcast_parameters
 
 __all__ = [
     "BucketedDDP",
@@ -364,7 +365,7 @@ DistributedDataParallel = BucketedDDP
 
 
 class NaiveDDP(_DataParallel):
-    """Chapter 1's :func:`average_gradients` behind :class:`BucketedDDP`'s interface.
+    """Chapter 1's :func:`average_gradients_per_parameter` behind :class:`BucketedDDP`'s interface.
 
     After backward, one blocking all-reduce per parameter: nothing overlaps with backward, and
     each small tensor pays a collective's latency. ``python -m dmlbook.bench ddp`` measures the
@@ -376,7 +377,7 @@ class NaiveDDP(_DataParallel):
         if not self.find_unused_parameters:
             if missing := self._missing(range(len(self._params))):
                 raise self._unused_error(missing)
-            average_gradients(self.module, self.group)  # communication: per parameter
+            average_gradients_per_parameter(self.module, self.group)  # communication
             sent = self._params
         else:
             used = self._globally_used()

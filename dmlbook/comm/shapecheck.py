@@ -1,0 +1,205 @@
+"""Did every rank pass the same tensor? Checked inside the first message, at no extra latency
+(chapter 2's collectives; chapter 4 measures what a message costs).
+
+Point-to-point code given mismatched tensors waits for messages that never come, or gloo aborts
+the process on a message longer than the buffer posted for it. So every collective of
+:mod:`dmlbook.comm.collectives` first learns what every other rank passed: a *header* of a few
+integers (dims, dtype, wire dtype, numel, shape). A mismatch becomes the same ValueError on every
+rank, naming the ranks that disagree.
+
+Where the header travels matters more than its size. On loopback here one more message costs
+about as much as a 32 KiB one (0.1-0.2 ms on a busy 2-core machine, mostly the two processes
+waking up), so a separate round of header messages cost recursive doubling 1.8x its time at
+64 KiB. The ring and recursive doubling therefore send the header *inside their first message*:
+the ring's first slice (or recursive doubling's whole tensor, at a power-of-two world size)
+travels behind the header in one buffer, and the other ranks get the header alone, in parallel.
+Every receiver posts a buffer big enough for any first message (the header plus
+``INLINE_BYTES``): gloo accepts a message shorter than the buffer, and aborts the process on a
+longer one. Only after the headers agree does a rank post the receives sized from its own
+tensor. When they disagree, each rank first receives ("drains") what any peer had already sent
+it, sized from that peer's header (which also says how the peer started), so nothing is left on
+the wire, then raises.
+
+Other collectives send the header alone (:meth:`ShapeCheck.exchange`): one message to every
+peer at once, one message's latency.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dmlbook.comm.groups import balanced_blocks, ring_slices
+from dmlbook.comm.p2p import _DTYPES, _Comm
+
+__all__ = ["HEADER_BYTES", "INLINE_BYTES", "MAX_DIMS", "ShapeCheck", "fits_inline"]
+
+MAX_DIMS = 8
+INLINE_BYTES = 1 << 20  # a ring's first slice up to this size travels behind the header
+TAG = 1 << 20  # the first message's tag, clear of the algorithms' step numbers
+# dims, dtype, wire dtype, numel, how the ring started (below), then the shape
+_WORDS = 5 + MAX_DIMS
+# How a rank started, so that a peer can drain what it sent: nothing yet (the header alone), a
+# ring's first slice to its right neighbour, or recursive doubling's whole tensor to its partner
+# (rank ^ 1), each behind the header (INLINE) or in messages of its own (APART).
+NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART = range(5)
+HEADER_BYTES = 8 * _WORDS
+_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+class ShapeCheck:
+    """Every rank's header, exchanged in the first message of one collective call.
+
+    Headers are handled as numpy rows: a torch operation on a tiny tensor costs microseconds,
+    and this sits on the path of every small collective.
+    """
+
+    def __init__(self, comm: _Comm, tensor: torch.Tensor, what: str, wire=None) -> None:
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(f"{comm.collective} supports tensors of up to {MAX_DIMS} dimensions")
+        self.comm, self.what, self.device = comm, what, tensor.device
+        wire = wire or tensor.dtype
+        self.rows = np.zeros((comm.size, _WORDS), dtype=np.int64)  # row r: rank r's header
+        mine = (tensor.dim(), _CODE[tensor.dtype], _CODE[wire], tensor.numel(), NONE)
+        self.rows[comm.rank, : 5 + tensor.dim()] = (*mine, *tensor.shape)
+        self.inbox: list[tuple[int, torch.Tensor, object]] = []
+        # Only gloo takes a message shorter than the buffer posted for it (NCCL needs equal
+        # sizes): on other devices the header always travels alone, in a buffer of its size.
+        self.can_inline = tensor.device.type == "cpu"
+        # This plumbing speaks to the process group itself, in group ranks: ``dist.isend``'s
+        # argument checks cost as much as a small message's copy, on every call.
+        self.pg = comm.group if comm.group is not None else dist.group.WORLD
+
+    # ------------------------------------------------------------------ sending and receiving
+
+    def post_receives(self) -> None:
+        """Receive every peer's first message, in a buffer that fits data behind the header
+        (whichever way the peer started: on a mismatch, ranks may have started differently)."""
+        comm = self.comm
+        for peer in range(comm.size):
+            if peer != comm.rank:
+                extra = INLINE_BYTES if self.can_inline else 0
+                buf = _buffer(("in", peer), HEADER_BYTES + extra, self.device)
+                self.inbox.append((peer, buf, self.pg.recv([buf], peer, TAG)))
+
+    def send(
+        self, peer: int, data: torch.Tensor | None = None, chunk=None, step=0, phase=""
+    ) -> None:
+        """This rank's header to ``peer``, with ``data`` (a ring's first slice) behind it."""
+        header = self.rows[self.comm.rank].view(np.uint8)
+        if data is None:
+            message = torch.from_numpy(header.copy()).to(self.device)
+        else:  # one buffer on the host: [header | slice]
+            raw = data.reshape(-1).view(torch.uint8)
+            message = _buffer(("out", peer), HEADER_BYTES + raw.numel(), "cpu")
+            message.numpy()[:HEADER_BYTES] = header
+            message[HEADER_BYTES:].copy_(raw)
+            self.comm.record(data, peer, step, phase, chunk)
+        self.comm.pending.append(self.pg.send([message], peer, TAG))
+        self.comm.in_flight.append(message)
+
+    def ring_start(self, right: int, first: torch.Tensor | None, chunk: int) -> None:
+        """A ring's first message: the header with ``first`` (its first slice, already in the
+        wire dtype) behind it to ``right``, or alone when ``first`` is None; the header alone to
+        every other peer."""
+        self._start(RING_INLINE, RING_APART, right, first, chunk, 0, "reduce-scatter")
+
+    def pair_start(self, partner: int, data: torch.Tensor | None) -> None:
+        """Recursive doubling's first message: the header with the whole tensor behind it to
+        ``partner`` (or alone when ``data`` is None); the header alone to the others."""
+        self._start(PAIR_INLINE, PAIR_APART, partner, data, None, 1, "exchange")
+
+    def _start(self, inline, apart, target, data, chunk, step, phase) -> None:
+        if not self.can_inline:
+            data = None
+        self.rows[self.comm.rank, 4] = apart if data is None else inline
+        for peer in range(self.comm.size):
+            if peer != self.comm.rank:
+                self.send(peer, data if peer == target else None, chunk, step, phase)
+
+    def exchange(self) -> None:
+        """The header alone, to and from every peer at once; then :meth:`verify`."""
+        self.post_receives()
+        for peer in range(self.comm.size):
+            if peer != self.comm.rank:
+                self.send(peer)
+        self.verify()
+
+    def verify(self) -> torch.Tensor | None:
+        """Wait for every header; raise on a mismatch. Returns the bytes a peer sent this rank
+        behind its header (a ring's first slice, a partner's tensor), or None."""
+        comm = self.comm
+        inline = None
+        for peer, buf, work in self.inbox:
+            work.wait()
+            self.rows[peer] = buf[:HEADER_BYTES].cpu().numpy().view(np.int64)
+            if self._target(peer) == comm.rank and self.rows[peer, 4] in (RING_INLINE, PAIR_INLINE):
+                inline = buf[HEADER_BYTES:]
+        # dims, dtype, wire, numel and shape agree (column 4 says only how a rank started)
+        same = (self.rows[:, :4] == self.rows[0, :4]).all() and (
+            self.rows[:, 5:] == self.rows[0, 5:]
+        ).all()
+        if not same:
+            for peer in range(comm.size):
+                if peer != comm.rank and self._target(peer) == comm.rank:
+                    self._drain(peer)
+            comm.wait_all()  # our own messages have been drained by the peers they went to
+            raise ValueError(f"{comm.collective}: ranks passed different {self.what} ({self})")
+        return inline
+
+    def _target(self, peer: int) -> int | None:
+        """The rank ``peer`` sent data to before the check (None: nobody)."""
+        start = self.rows[peer, 4]
+        if start in (RING_INLINE, RING_APART):
+            return (peer + 1) % self.comm.size
+        if start in (PAIR_INLINE, PAIR_APART):
+            return peer ^ 1
+        return None
+
+    def __str__(self) -> str:
+        def one(r: int) -> str:
+            dims, dtype, wire = (int(x) for x in self.rows[r, :3])
+            shape = tuple(int(x) for x in self.rows[r, 5 : 5 + dims])
+            extra = f" (wire {_DTYPES[wire]})" if wire != dtype else ""
+            return f"rank {self.comm.global_rank(r)}: {shape} {_DTYPES[dtype]}{extra}"
+
+        return ", ".join(one(r) for r in range(self.comm.size))
+
+    # ------------------------------------------------------------------ a mismatch
+
+    def _drain(self, peer: int) -> None:
+        """Receive what ``peer`` sent this rank before it knew of the mismatch, sized from its
+        header: the rest of a ring's first chunk (the rule :func:`ring_first_slices` applies on
+        the sender), or a partner's whole tensor."""
+        dims, dtype, wire, numel, start = (int(x) for x in self.rows[peer, :5])
+        if start == PAIR_APART:
+            self.comm.recv(torch.empty(numel, dtype=_DTYPES[wire], device=self.device), peer, 1)
+        elif start in (RING_INLINE, RING_APART):
+            sizes = ring_first_slices(numel, self.comm.size, peer, _DTYPES[dtype].itemsize)
+            for a, b in sizes[1 if start == RING_INLINE else 0 :]:  # the inline one has come
+                junk = torch.empty(b - a, dtype=_DTYPES[wire], device=self.device)
+                self.comm.recv(junk, peer, 0)
+
+
+def ring_first_slices(numel: int, size: int, rank: int, element_size: int):
+    """The slices (start, stop) of the chunk ``rank`` sends first in a ring reduce-scatter."""
+    a, b = balanced_blocks(numel, size)[(rank - 1) % size]
+    return ring_slices(a, b, element_size)  # the ring's own rule, not a copy of it
+
+
+def fits_inline(nbytes: int) -> bool:
+    return 0 < nbytes <= INLINE_BYTES
+
+
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def _buffer(key: tuple, nbytes: int, device) -> torch.Tensor:
+    """A message buffer per (direction, peer), kept from call to call (a fresh one costs page
+    faults, and a torch allocation is slow beside a 64 KiB message)."""
+    key = (*key, torch.device(device))
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = _BUFFERS[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]

@@ -1,0 +1,56 @@
+"""``python -m dmlbook.bench``: the records it writes (correctness only; timings are never
+asserted). ``all --json`` is every bench's records in one file, each tagged with its bench."""
+
+import json
+
+import pytest
+import torch
+
+from dmlbook import bench
+
+
+@pytest.mark.timeout(120)
+def test_one_bench_writes_its_records_whole(tmp_path):
+    from dmlbook.bench import allreduce
+
+    path = tmp_path / "allreduce.json"
+    bench.main(["allreduce", "--sizes", "4KiB", "--repeats", "1", "--json", str(path)])
+    records = json.loads(path.read_text())
+    names = {r["algorithm"] for r in records}
+    assert {"ring", "recursive_doubling", "tree", "naive", "auto", "shm", "memcpy"} <= names
+    assert all("bench" not in r and r["bytes"] == 4096 and r["median_s"] > 0 for r in records)
+    assert list(tmp_path.iterdir()) == [path]  # no partial file left beside it
+    assert allreduce.parse_size("4KiB") == 4096
+
+
+def test_all_writes_every_bench_tagged(tmp_path, monkeypatch):
+    """Each bench stubbed by a function that returns one record: main must keep them all."""
+    import importlib
+
+    calls = []
+    for module, function in [
+        ("launch", "bench_launch"),
+        ("ranks", "bench_ranks"),
+        ("data_parallel", "bench_data_parallel"),
+        ("ddp", "bench_ddp"),
+        ("allreduce", "bench_allreduce"),
+        ("recompute", "bench_recompute"),
+        ("pipeline", "bench_pipeline"),
+        ("netlab", "bench_netlab"),
+        ("composed", "bench_composed"),
+        ("gpu", "bench_gpu"),
+    ]:
+        mod = importlib.import_module(f"dmlbook.bench.{module}")
+
+        def stub(*args, _name=module, **kwargs):
+            calls.append(_name)
+            return [{"figure": _name}]
+
+        monkeypatch.setattr(mod, function, stub)
+    path = tmp_path / "all.json"
+    bench.main(["all", "--json", str(path)])
+    records = json.loads(path.read_text())
+    expected = ["launch", "ranks", "data-parallel", "ddp", "allreduce", "recompute", "pipeline"]
+    expected += ["netlab", "composed"] + (["gpu"] if torch.cuda.is_available() else [])
+    assert [r["bench"] for r in records] == expected
+    assert all(r["figure"] == r["bench"].replace("-", "_") for r in records)
