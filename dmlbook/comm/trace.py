@@ -2,7 +2,7 @@
 
 One mechanism for every kind of record. Code that communicates calls :func:`record` with an event
 (a :class:`Send` per message in chapter 2's collectives, chapter 13's all-to-all and ring
-attention; a :class:`~dmlbook.advanced.tensor_parallel_comm.CommRecord` per collective in chapter
+attention; a :class:`~dmlbook.advanced.tensor_parallel.comm.CommRecord` per collective in chapter
 9's tensor-parallel layers); ``with recording(Send) as sends:`` collects, into ``sends``, the
 events of that kind recorded inside the block. The active recorders live in a context variable, not
 a module global: nested blocks each get their own list (an outer block also receives the inner

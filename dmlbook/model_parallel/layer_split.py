@@ -10,7 +10,7 @@ Chapter 5 estimates and measures each stage's memory with the same cut
 (:mod:`dmlbook.model_parallel.memory`), chapter 7 trains and serves the stages
 (:mod:`dmlbook.model_parallel.pipeline_workflows`) and moves the cut to balance them
 (:mod:`dmlbook.model_parallel.stage_balancing`), and chapter 13 composes it with the other
-parallelisms (:mod:`dmlbook.advanced.parallelize`).
+parallelisms (:mod:`dmlbook.advanced.composition.compose`).
 """
 
 from __future__ import annotations

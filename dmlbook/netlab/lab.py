@@ -32,6 +32,7 @@ __all__ = [
     "NetlabError",
     "available",
     "down",
+    "burst_bytes",
     "parse_rate",
     "parse_time",
     "status",
@@ -46,6 +47,14 @@ TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 class NetlabError(RuntimeError):
     """The lab cannot do what was asked: not root, no iproute2, a name taken, a missing qdisc."""
+
+
+def burst_bytes(rate_bits: float) -> int:
+    """The token bucket of a shaped link: after an idle moment this many bytes pass at line speed
+    before the rate holds (at least 64 KiB, the largest packet with segmentation offload, and at
+    least 1 ms of traffic at the rate). So a message of m bytes after a pause can cross up to
+    m / (m - burst) times faster than the rate alone allows (chapter 4)."""
+    return max(64 * 1024, int(rate_bits / 8 * 0.001))
 
 
 def parse_rate(text: str) -> float:
@@ -219,7 +228,7 @@ class Lab:
             tbf_parent = ["parent", "1:1", "handle", "10:"]
         if bandwidth is not None:
             rate = parse_rate(bandwidth)
-            burst = max(64 * 1024, int(rate / 8 * 0.001))  # >= 1 ms of traffic at full rate
+            burst = burst_bytes(rate)
             _sh(*tc, *tbf_parent, "tbf", "rate", f"{int(rate)}bit", "burst", str(burst),
                 "latency", "20ms")  # fmt: skip
 

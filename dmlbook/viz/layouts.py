@@ -143,7 +143,8 @@ def who_holds_what(
     return ax
 
 
-class _Grid(Protocol):  # what rank_grid reads of a layout, e.g. dmlbook.advanced.layout.Layout
+# What rank_grid reads of a layout, e.g. dmlbook.advanced.composition.layout.Layout.
+class _Grid(Protocol):
     pp: int
     dp: int
     cp: int
