@@ -1,7 +1,7 @@
 """The suite's order, and ``--busy N``.
 
 Order: under pytest-xdist (``TEST_WORKERS=2 make test``: two workers, a file or a notebook per
-worker at a time) the longest runs must start first, or one of them ends the run alone on one
+worker at a time, or a group of tests marked ``xdist_group``) the longest runs must start first, or one of them ends the run alone on one
 worker. So ``slow``-marked tests go first, then the notebooks, then the other test files, each
 group in its collection order; the Makefile then turns off xdist's own reordering
 (``--no-loadscope-reorder``). In one process (``make test``'s default) the order changes nothing.
@@ -9,6 +9,9 @@ group in its collection order; the Makefile then turns off xdist's own reorderin
 ``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
 a shared classroom server is. N processes spin on the CPU from the session's start to its end;
 the timing claims of the chapters and tests must still hold (or be shown, not asserted).
+
+Each chapter runs once: chapters 4 and 13 run under nbval inside the concurrency test (two runs
+at the same moment), so while that test is in the session their own cells are not run again.
 
 This file sits at the repository root so that it reaches both tests/ and the chapters' nbval
 items. The spinners run in a session of their own (a Ctrl-C in the terminal does not reach
@@ -86,13 +89,46 @@ class BusyLoad:
         return line
 
 
-def pytest_collection_modifyitems(items):
+def pytest_itemcollected(item):
+    # Under `--dist loadgroup` (make test with TEST_WORKERS) a worker takes a whole file or
+    # notebook at a time, as `--dist loadfile` would, except that tests marked
+    # ``xdist_group(name)`` go together: the tests that keep both cores busy for minutes (the
+    # concurrency test, the browser) share the group "both-cores" and so run one after the
+    # other, never beside each other.
+    if item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have had their say
+def pytest_collection_modifyitems(config, items):
+    _run_each_chapter_once(config, items)
+
     def group(item) -> int:
         if item.get_closest_marker("slow"):
             return 0
         return 1 if item.path.suffix == ".ipynb" else 2
 
     items.sort(key=group)  # stable: a notebook's cells keep their order
+
+
+def _run_each_chapter_once(config, items) -> None:
+    """A test marked ``runs_chapters(name, ...)`` runs those notebooks under nbval itself (the
+    concurrency test runs chapters 4 and 13 twice at the same moment). When it is selected and
+    not skipped, the notebooks' own cells are deselected: each chapter still runs under nbval,
+    every cell checked, but not once more on its own. Run alone, a notebook runs as always."""
+    covered = set()
+    for item in items:
+        mark = item.get_closest_marker("runs_chapters")
+        skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+        if mark is not None and not skipped and item.get_closest_marker("skip") is None:
+            covered.update(mark.args)
+    if not covered:
+        return
+    dropped = [i for i in items if i.path.suffix == ".ipynb" and i.path.name in covered]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(dropped)
+        items[:] = [i for i in items if i not in gone]
 
 
 def pytest_addoption(parser):

@@ -93,12 +93,15 @@ class ProcessSampler(threading.Thread):
                 ours.update(chain)
         ours |= {pid for pid in table if _has_marker(pid, self.marker)}
         for pid in ours:
+            # Read again at every sample: a child caught between fork and exec still shows its
+            # parent's command line (the hub's, for the proxy it starts), and keeps its pid and
+            # start time across the exec; on a loaded machine that window is wide.
             key = (pid, table[pid][1])
-            if key not in self.seen:
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                except OSError:
-                    cmd = b"?"
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                cmd = b"?"
+            if cmd != b"?" or key not in self.seen:
                 self.seen[key] = cmd.decode(errors="replace").strip()[:160]
         sockets = listening_sockets()
         for pid in ours:

@@ -5,6 +5,10 @@ Before each lab had a name of its own, the second run's ``netlab.down("ch13")`` 
 run's hosts ("Cannot open network namespace ch13-sw"). Two learners' runs start together, each
 an nbval process that runs chapter 4 and then chapter 13: on the 2-core machine the two runs
 keep pace, so their chapter-4 labs are up at the same time, and then their chapter-13 labs.
+
+These two runs are also the session's nbval runs of chapters 4 and 13 (marker ``runs_chapters``;
+conftest.py then leaves the chapters' own cells out): every cell of both chapters is checked,
+twice, on a machine busier than a lone run's.
 """
 
 import json
@@ -66,6 +70,8 @@ def _watch(runs, records: Path):
 
 @pytest.mark.netns
 @pytest.mark.slow
+@pytest.mark.xdist_group("both-cores")  # never beside the browser test (conftest.py)
+@pytest.mark.runs_chapters(*CHAPTERS)  # these runs are the session's nbval runs of both chapters
 @pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
 @pytest.mark.timeout(900)
 def test_two_runs_of_chapters_4_and_13_at_once_both_pass(tmp_path, monkeypatch):
