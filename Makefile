@@ -65,7 +65,7 @@ lab: $(STAMP)
 # per worker at a time, the longest first (conftest.py): about 11 minutes against 16 here, but not
 # yet steady (README: Two commands), so CI keeps one process.
 TEST_WORKERS ?= 0
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 run_tests = MPLBACKEND=Agg $(1) -m pytest tests chapters --nbval-lax --nbval-current-env $(XDIST) $(PYTEST_ARGS)
 
 test: $(STAMP)

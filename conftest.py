@@ -1,7 +1,7 @@
 """The suite's order, and ``--busy N``.
 
 Order: under pytest-xdist (``TEST_WORKERS=2 make test``: two workers, a file or a notebook per
-worker at a time, or a group of tests marked ``xdist_group``) the longest runs must start first, or one of them ends the run alone on one
+worker at a time) the longest runs must start first, or one of them ends the run alone on one
 worker. So ``slow``-marked tests go first, then the notebooks, then the other test files, each
 group in its collection order; the Makefile then turns off xdist's own reordering
 (``--no-loadscope-reorder``). In one process (``make test``'s default) the order changes nothing.
@@ -13,6 +13,10 @@ the timing claims of the chapters and tests must still hold (or be shown, not as
 Each chapter runs once: chapters 4 and 13 run under nbval inside the concurrency test (two runs
 at the same moment), so while that test is in the session their own cells are not run again.
 
+``both_cores``: a test that keeps both cores busy for minutes (the concurrency test, the
+browser) takes this fixture, and under pytest-xdist such tests run one at a time: a second one
+waits for the first, so neither's limits meet the other's load.
+
 This file sits at the repository root so that it reaches both tests/ and the chapters' nbval
 items. The spinners run in a session of their own (a Ctrl-C in the terminal does not reach
 them), are killed and reaped when the session ends, and each one exits by itself when pytest's
@@ -21,6 +25,7 @@ process goes away (it polls its parent), so that even a killed pytest leaves non
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -87,16 +92,6 @@ class BusyLoad:
         if self.cpu_s is not None:
             line += f", using {self.cpu_s:.0f} CPU-seconds ({self.cpu_s / self.wall_s:.2f} cores)"
         return line
-
-
-def pytest_itemcollected(item):
-    # Under `--dist loadgroup` (make test with TEST_WORKERS) a worker takes a whole file or
-    # notebook at a time, as `--dist loadfile` would, except that tests marked
-    # ``xdist_group(name)`` go together: the tests that keep both cores busy for minutes (the
-    # concurrency test, the browser) share the group "both-cores" and so run one after the
-    # other, never beside each other.
-    if item.get_closest_marker("xdist_group") is None:
-        item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.hookimpl(trylast=True)  # after -k, -m and --deselect have had their say
@@ -180,3 +175,22 @@ def pytest_terminal_summary(terminalreporter, config):
 def busy_load(request) -> BusyLoad:
     """The session's :class:`BusyLoad` (``n == 0`` without ``--busy``)."""
     return request.config._busy
+
+
+@pytest.fixture
+def both_cores(tmp_path_factory):
+    """Hold the session's both-cores lock for the test (see the module's docstring).
+
+    In one process tests run one at a time anyway, and no lock is taken. Under pytest-xdist the
+    lock is a file in the session's own temporary folder, which every worker of this session
+    shares and no other run does; the kernel drops a flock when its holder dies."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    path = tmp_path_factory.getbasetemp().parent / "both-cores.lock"
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the other worker runs one
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

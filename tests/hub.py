@@ -93,16 +93,22 @@ class ProcessSampler(threading.Thread):
                 ours.update(chain)
         ours |= {pid for pid in table if _has_marker(pid, self.marker)}
         for pid in ours:
-            # Read again at every sample: a child caught between fork and exec still shows its
-            # parent's command line (the hub's, for the proxy it starts), and keeps its pid and
-            # start time across the exec; on a loaded machine that window is wide.
+            # Read again at every sample, and keep every command line a process has shown: a
+            # child caught between fork and exec still shows its parent's (the hub's, for the
+            # proxy it starts; on a loaded machine that window is wide), and a process that
+            # execs another program (learner_server.py becomes the single-user server) keeps
+            # its pid and start time. A zombie's command line is empty.
             key = (pid, table[pid][1])
             try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
             except OSError:
-                cmd = b"?"
-            if cmd != b"?" or key not in self.seen:
-                self.seen[key] = cmd.decode(errors="replace").strip()[:160]
+                cmd = b""
+            line = cmd.decode(errors="replace")[:160]
+            known = self.seen.get(key)
+            if known is None:
+                self.seen[key] = line or "?"
+            elif line and line not in known.split(" | "):
+                self.seen[key] = line if known == "?" else f"{known} | {line}"
         sockets = listening_sockets()
         for pid in ours:
             for inode in _socket_inodes(pid) & sockets.keys():

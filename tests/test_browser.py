@@ -32,13 +32,7 @@ import pytest
 
 from dmlbook.launch import free_port
 
-# xdist_group: on two workers, never beside the concurrency test (conftest.py)
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.xdist_group("both-cores"),
-]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 CHAPTER = REPO / "chapters" / "02_parameter_server_and_allreduce.ipynb"
@@ -125,7 +119,7 @@ NOTEBOOK_STATE = """() => {
 }"""
 
 
-def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(lab, tmp_path, artifacts):
+def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(both_cores, lab, tmp_path, artifacts):
     if CHROMIUM is None:
         pytest.skip("no Chromium: install Debian's `chromium` package (apt install chromium)")
     sync_api = pytest.importorskip(

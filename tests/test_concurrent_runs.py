@@ -70,11 +70,10 @@ def _watch(runs, records: Path):
 
 @pytest.mark.netns
 @pytest.mark.slow
-@pytest.mark.xdist_group("both-cores")  # never beside the browser test (conftest.py)
 @pytest.mark.runs_chapters(*CHAPTERS)  # these runs are the session's nbval runs of both chapters
 @pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
 @pytest.mark.timeout(900)
-def test_two_runs_of_chapters_4_and_13_at_once_both_pass(tmp_path, monkeypatch):
+def test_two_runs_of_chapters_4_and_13_at_once_both_pass(tmp_path, monkeypatch, both_cores):
     marker = f"DMLBOOK_CONCURRENT_RUN={uuid.uuid4().hex}"
     records = tmp_path / "labs"  # these runs' own records, so we know which labs were theirs
     veths = _root_veths()

@@ -69,8 +69,10 @@ c.close(); print(n)
 """
 SIZED_CLIENT = """
 import socket, sys, time
-addr, port, nbytes, start_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+addr, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.create_connection((addr, port)); block = bytes(1 << 16)
+print("ready", flush=True)
+start_at = float(sys.stdin.readline())  # the common start, sent once every client is connected
 time.sleep(max(0.0, start_at - time.time()))
 sent = 0
 while sent < nbytes:
@@ -101,18 +103,26 @@ def split_transfer(lab: Lab, src: str | int, dst: str | int, sizes: list[int]) -
             )
             servers.append(server)
             server.stdout.readline()  # "ready"
-        start_at = time.time() + 0.5  # every client connects first, then all start together
         for link, nbytes in enumerate(sizes):
-            cmd = [
-                sys.executable,
-                "-c",
-                SIZED_CLIENT,
-                lab.address(dst, link),
-                str(5301 + link),
-                str(nbytes),
-                str(start_at),
-            ]
-            clients.append(lab.popen(src, cmd, stdout=subprocess.PIPE, text=True))
+            cmd = [sys.executable, "-c", SIZED_CLIENT, lab.address(dst, link), str(5301 + link)]
+            clients.append(
+                lab.popen(
+                    src,
+                    [*cmd, str(nbytes)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        # Every client connects first, then all start together. The start is set only once the
+        # last one is connected: a client that a loaded machine started late must not count its
+        # own start-up as transfer time (a fixed start 0.5 s ahead did, beside other tests).
+        for client in clients:
+            client.stdout.readline()  # "ready"
+        start_at = time.time() + 0.05
+        for client in clients:
+            client.stdin.write(f"{start_at!r}\n")
+            client.stdin.flush()
         seconds = [float(c.communicate(timeout=120)[0]) for c in clients]
         received = [int(s.communicate(timeout=30)[0]) for s in servers]
         if received != list(sizes):
