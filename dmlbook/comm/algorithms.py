@@ -107,8 +107,14 @@ def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> Non
 
 
 def _ring_reduce_scatter(
-    comm: _Comm, flat: torch.Tensor, op, chunks, wire=None, check: ShapeCheck | None = None
-) -> None:
+    comm: _Comm,
+    flat: torch.Tensor,
+    op,
+    chunks,
+    wire=None,
+    check: ShapeCheck | None = None,
+    post_next=None,
+):
     """p-1 steps: at step s rank r sends chunk (r-s-1) mod p to r+1 and adds the chunk arriving
     from r-1 into its own copy; afterwards rank r holds chunk r summed over every rank.
 
@@ -116,11 +122,13 @@ def _ring_reduce_scatter(
     receiving the next slice overlaps the addition. With ``wire`` (a dtype), slices are sent
     rounded to it and added, on arrival, into ``flat``'s own precision. With ``check``, the
     first slice travels behind the shape check's header (:mod:`dmlbook.comm.shapecheck`).
+    ``post_next`` posts the first receives of what comes next (the all-reduce's all-gather) as
+    soon as receives may be posted; its result is returned.
     """
     size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     if size == 1:
-        return
+        return None
     wire = wire or flat.dtype
     slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
     longest = max(b - a for a, b in chunks)
@@ -147,6 +155,7 @@ def _ring_reduce_scatter(
     first = (rank - 1) % size
     if check is None:
         recvs = post_recvs(0)  # receives are posted before the step's sends go out
+        after = post_next() if post_next is not None else None
         for a, b in slices[first]:
             comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
     else:
@@ -157,6 +166,7 @@ def _ring_reduce_scatter(
         for a, b in slices[first][1 if inline else 0 :]:
             comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
         recvs = post_recvs(0, check.verify())  # a mismatch raises here, on every rank
+        after = post_next() if post_next is not None else None
     for step in range(size - 1):
         c = (rank - step - 2) % size
         last = step == size - 2
@@ -169,47 +179,69 @@ def _ring_reduce_scatter(
                 comm.isend(on_wire(a, b), right, step + 1, "reduce-scatter", c)
         recvs = nxt
     comm.wait_all()
+    return after
 
 
-def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0) -> None:
-    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived."""
+def _all_gather_receives(comm: _Comm, flat: torch.Tensor, chunks, step0: int, step: int):
+    """Post the receives of all-gather step ``step``: chunk (r-step-1) mod p, slice by slice,
+    from the left neighbour, straight into ``flat``. Returns (start, stop, receive) per slice."""
+    c, left = (comm.rank - step - 1) % comm.size, (comm.rank - 1) % comm.size
+    return [
+        (a, b, comm.irecv(flat[a:b], left, step0 + step))
+        for a, b in ring_slices(*chunks[c], flat.element_size())
+    ]
+
+
+def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0, first=None) -> None:
+    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived.
+
+    ``first``: the first step's receives, when the caller posted them already."""
     size, rank = comm.size, comm.rank
-    right, left = (rank + 1) % size, (rank - 1) % size
     if size == 1:
         return
-    slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
-
-    def post_recvs(step: int):  # receives are posted before the step's sends go out
-        c = (rank - step - 1) % size
-        return [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
-
-    recvs = post_recvs(0)
-    for a, b in slices[rank]:
+    right = (rank + 1) % size
+    # receives are posted a step ahead, before the step's sends go out
+    recvs = first if first is not None else _all_gather_receives(comm, flat, chunks, step0, 0)
+    for a, b in ring_slices(*chunks[rank], flat.element_size()):
         comm.isend(flat[a:b], right, step0, "all-gather", rank)
     for step in range(size - 1):
         c = (rank - step - 1) % size
         last = step == size - 2
-        nxt = [] if last else post_recvs(step + 1)
+        nxt = [] if last else _all_gather_receives(comm, flat, chunks, step0, step + 1)
         for a, b, work in recvs:
             if work is not None:
                 work.wait()
-            if not last:
+            if not last:  # forward the slice as it arrived
                 comm.isend(flat[a:b], right, step0 + step + 1, "all-gather", c)
         recvs = nxt
     comm.wait_all()
 
 
 def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None) -> None:
+    """Reduce-scatter, then all-gather: 2(p-1) steps of one chunk each way.
+
+    The all-gather's first receives are posted before the reduce-scatter's first sends. gloo's
+    TCP transport sends a message's bytes only once the receiver has announced a receive for it
+    (a send that finds none announced waits, and its bytes go later, from gloo's background
+    thread): posted early, the announcement is there by the time the neighbour sends.
+    """
     chunks = balanced_blocks(flat.numel(), comm.size)
-    _ring_reduce_scatter(comm, flat, op, chunks, wire, check)
-    if wire is None or wire == flat.dtype:
-        _ring_all_gather(comm, flat, chunks, step0=comm.size - 1)
-        return
-    # The reduced chunks go round as they travel: rounded to the wire dtype, the owner's own
-    # chunk included, so that every rank ends with the same bits.
-    low = flat.to(wire)
-    _ring_all_gather(comm, low, chunks, step0=comm.size - 1)
-    flat.copy_(low)
+    rounded = wire is not None and wire != flat.dtype
+    # With a wire dtype the reduced chunks go round as they travel, rounded to it (the owner's
+    # own chunk included, below), so that every rank ends with the same bits.
+    gathered = flat.new_empty(flat.numel(), dtype=wire) if rounded else flat
+    step0 = comm.size - 1
+
+    def post_gather():
+        return _all_gather_receives(comm, gathered, chunks, step0, 0)
+
+    first = _ring_reduce_scatter(comm, flat, op, chunks, wire, check, post_gather)
+    if rounded:
+        mine = slice(*chunks[comm.rank])
+        gathered[mine] = flat[mine]
+    _ring_all_gather(comm, gathered, chunks, step0, first)
+    if rounded:
+        flat.copy_(gathered)
 
 
 def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozenset[int]]]]:
