@@ -30,8 +30,9 @@ class _Comm:
 
     Messages go to the process group itself, ``pg.send([t], group_rank, tag)``: what
     ``dist.isend(t, global_rank, group, tag)`` does after checking its arguments and translating
-    the global rank back to the group's. Those checks cost 10-20 microseconds a call here, a
-    sizeable share of a 64 KiB all-reduce's two exchanges (chapter 4 measures it)."""
+    the global rank back to the group's. Those steps cost about 7 microseconds a call here (a
+    32 KiB send: 46 against 39; a receive: 23 against 17, medians on the busy 2-core machine),
+    and a 64 KiB ring all-reduce at world size 2 makes four calls in about 0.3 ms."""
 
     def __init__(self, group, collective: str) -> None:
         self.group = group
@@ -132,14 +133,16 @@ def _finish_avg(t: torch.Tensor, op, size: int) -> None:
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A receive buffer of ``numel`` elements, reused from call to call (as gloo and NCCL keep
-    theirs): a fresh multi-megabyte buffer costs a page fault per 4 KiB the first time it is
-    written, which at 2 GB/s links is a large share of the transfer itself."""
-    key = (like.dtype, like.device)
+def _scratch(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements on ``like``'s device (of its dtype, or ``dtype``),
+    reused from call to call (as gloo and NCCL keep theirs): a fresh multi-megabyte buffer costs
+    a page fault per 4 KiB the first time it is written, which at 2 GB/s links is a large share
+    of the transfer itself."""
+    dtype = dtype or like.dtype
+    key = (dtype, like.device)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=like.device)
     return buf[:numel]
 
 
