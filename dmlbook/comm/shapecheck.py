@@ -66,7 +66,8 @@ class ShapeCheck:
         # Only gloo takes a message shorter than the buffer posted for it (NCCL needs equal
         # sizes): on other devices the header always travels alone, in a buffer of its size.
         self.can_inline = tensor.device.type == "cpu"
-        # The process group itself, in group ranks, as every message of _Comm goes.
+        # This plumbing speaks to the process group itself, in group ranks: ``dist.isend``'s
+        # argument checks cost as much as a small message's copy, on every call.
         self.pg = comm.pg
 
     # ------------------------------------------------------------------ sending and receiving
