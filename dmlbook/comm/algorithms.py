@@ -113,9 +113,8 @@ def _ring_reduce_scatter(
     chunks,
     wire=None,
     check: ShapeCheck | None = None,
-    post_next=None,
     slices=None,
-):
+) -> None:
     """p-1 steps: at step s rank r sends chunk (r-s-1) mod p to r+1 and adds the chunk arriving
     from r-1 into its own copy; afterwards rank r holds chunk r summed over every rank.
 
@@ -123,14 +122,13 @@ def _ring_reduce_scatter(
     a slice is forwarded as soon as it has been reduced, so receiving the next slice overlaps
     the addition. With ``wire`` (a dtype), slices are sent rounded to it and added, on arrival,
     into ``flat``'s own precision. With ``check``, the first slice travels behind the shape
-    check's header (:mod:`dmlbook.comm.shapecheck`). ``post_next`` posts the first receives of
-    what comes next (the all-reduce's all-gather) once the first sends are out; its result is
-    returned. The last sends may still be on their way: the caller's ``comm.wait_all()``
-    finishes them (an all-reduce's all-gather can start meanwhile).
+    check's header (:mod:`dmlbook.comm.shapecheck`). The last sends may still be on their way
+    when it returns: the caller's ``comm.wait_all()`` finishes them (an all-reduce's all-gather
+    starts meanwhile).
     """
     size, rank = comm.size, comm.rank
     if size == 1:
-        return None
+        return
     right, left = (rank + 1) % size, (rank - 1) % size
     wire = wire or flat.dtype
     if slices is None:
@@ -161,7 +159,6 @@ def _ring_reduce_scatter(
         recvs = post_recvs(0)  # receives are posted before the step's sends go out
         for a, b in slices[first]:
             comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
-        after = post_next() if post_next is not None else None
     else:
         check.post_receives()
         head = slices[first][:1]
@@ -170,7 +167,6 @@ def _ring_reduce_scatter(
         for a, b in slices[first][1 if inline else 0 :]:
             comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
         recvs = post_recvs(0, check.verify())  # a mismatch raises here, on every rank
-        after = post_next() if post_next is not None else None
     for step in range(size - 1):
         c = (rank - step - 2) % size
         last = step == size - 2
@@ -182,7 +178,6 @@ def _ring_reduce_scatter(
             if not last:  # forward the freshly reduced slice straight away
                 comm.isend(on_wire(a, b), right, step + 1, "reduce-scatter", c)
         recvs = nxt
-    return after
 
 
 def _all_gather_receives(comm: _Comm, flat: torch.Tensor, slices, step0: int, step: int):
@@ -193,12 +188,8 @@ def _all_gather_receives(comm: _Comm, flat: torch.Tensor, slices, step0: int, st
     return [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
 
 
-def _ring_all_gather(
-    comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0, first=None, slices=None
-) -> None:
-    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived.
-
-    ``first``: the first step's receives, when the caller posted them already."""
+def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0, slices=None) -> None:
+    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived."""
     size, rank = comm.size, comm.rank
     if size == 1:
         return
@@ -206,7 +197,7 @@ def _ring_all_gather(
     if slices is None:
         slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
     # receives are posted a step ahead, before the step's sends go out
-    recvs = first if first is not None else _all_gather_receives(comm, flat, slices, step0, 0)
+    recvs = _all_gather_receives(comm, flat, slices, step0, 0)
     for a, b in slices[rank]:
         comm.isend(flat[a:b], right, step0, "all-gather", rank)
     for step in range(size - 1):
@@ -225,30 +216,23 @@ def _ring_all_gather(
 def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None) -> None:
     """Reduce-scatter, then all-gather: 2(p-1) steps of one chunk each way.
 
-    The all-gather's first receives are posted at the start, just after the reduce-scatter's
-    first sends. gloo's TCP transport sends a message's bytes only once the receiver has
-    announced a receive for it (a send that finds none announced waits, and its bytes go later,
-    from gloo's background thread): posted early, the announcement is there by the time the
-    neighbour sends. At world size 2 and 1 MiB, two exchanges with the second receive posted
-    late took 2.7 ms where posted early they took 0.8 ms (median of 61, busy machine).
+    The schedule (chunks and slices) is worked out once per shape (:func:`ring_schedule`).
+    Posting the all-gather's first receives before the reduce-scatter's sends, so that gloo
+    (which sends a message's bytes only once the receiver has announced a receive) finds them
+    announced, did not pay: at world size 2 it was as fast or slower (64 KiB: 395 against
+    328 us; 1 MiB: 788 against 702 us, medians of 41 on the busy machine).
     """
     chunks, slices = ring_schedule(flat.numel(), comm.size, flat.element_size())
-    rounded = wire is not None and wire != flat.dtype
-    # With a wire dtype the reduced chunks go round as they travel, rounded to it (the owner's
-    # own chunk included, below), so that every rank ends with the same bits.
-    gathered = flat.new_empty(flat.numel(), dtype=wire) if rounded else flat
-    step0 = comm.size - 1
-
-    def post_gather():
-        return _all_gather_receives(comm, gathered, slices, step0, 0)
-
-    first = _ring_reduce_scatter(comm, flat, op, chunks, wire, check, post_gather, slices)
-    if rounded:
-        mine = slice(*chunks[comm.rank])
-        gathered[mine] = flat[mine]
-    _ring_all_gather(comm, gathered, chunks, step0, first, slices)
-    if rounded:
-        flat.copy_(gathered)
+    _ring_reduce_scatter(comm, flat, op, chunks, wire, check, slices)
+    # (the all-gather's comm.wait_all() finishes the reduce-scatter's last sends too)
+    if wire is None or wire == flat.dtype:
+        _ring_all_gather(comm, flat, chunks, comm.size - 1, slices)
+        return
+    # The reduced chunks go round as they travel: rounded to the wire dtype, the owner's own
+    # chunk included, so that every rank ends with the same bits.
+    low = flat.to(wire)
+    _ring_all_gather(comm, low, chunks, comm.size - 1, slices)
+    flat.copy_(low)
 
 
 def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozenset[int]]]]:
