@@ -219,8 +219,9 @@ def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None)
     The schedule (chunks and slices) is worked out once per shape (:func:`ring_schedule`).
     Posting the all-gather's first receives before the reduce-scatter's sends, so that gloo
     (which sends a message's bytes only once the receiver has announced a receive) finds them
-    announced, did not pay: at world size 2 it was as fast or slower (64 KiB: 395 against
-    328 us; 1 MiB: 788 against 702 us, medians of 41 on the busy machine).
+    announced, did not pay on balance: at world size 2, posted early against posted when the
+    all-gather starts, 64 KiB took 424 and 395 us against 513 and 328; 1 MiB 788 and 907 us
+    against 702 and 828 (medians of 41, two launches, on the busy machine).
     """
     chunks, slices = ring_schedule(flat.numel(), comm.size, flat.element_size())
     _ring_reduce_scatter(comm, flat, op, chunks, wire, check, slices)
