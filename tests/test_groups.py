@@ -101,3 +101,23 @@ def test_local_rows_refuse_a_batch_that_does_not_divide():
 
     with pytest.raises(RankError, match="batch rows=7 is not divisible by the 2 ranks"):
         run(_rows_that_do_not_divide, 2, None)
+
+
+def test_ring_schedule_is_the_chunks_and_their_slices_and_follows_the_slice_size(monkeypatch):
+    from dmlbook.comm import groups
+
+    for numel, parts in ((0, 3), (2, 4), (1001, 3), (3 * groups.RING_SLICE_BYTES // 4 * 2 + 5, 2)):
+        chunks, slices = groups.ring_schedule(numel, parts, 4)
+        assert list(chunks) == balanced_blocks(numel, parts)
+        assert [list(s) for s in slices] == [groups.ring_slices(a, b, 4) for a, b in chunks]
+        # the slices of a chunk tile it, in order, none empty
+        for (a, b), cut in zip(chunks, slices, strict=True):
+            assert [x for s in cut for x in s] == sorted(x for s in cut for x in s)
+            assert sum(stop - start for start, stop in cut) == b - a
+            assert not cut or (cut[0][0], cut[-1][1]) == (a, b)
+            assert all(stop > start for start, stop in cut)
+    # kept per shape, yet a changed slice size gives a new schedule
+    numel = groups.RING_SLICE_BYTES  # 4 bytes an element: 4 slices of RING_SLICE_BYTES a chunk
+    assert [len(s) for s in groups.ring_schedule(numel, 1, 4)[1]] == [4]
+    monkeypatch.setattr(groups, "RING_SLICE_BYTES", 2 * groups.RING_SLICE_BYTES)
+    assert [len(s) for s in groups.ring_schedule(numel, 1, 4)[1]] == [2]

@@ -29,9 +29,24 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+# Sizes below this are timed SMALL_FACTOR times as often (a 64 KiB all-reduce takes a fraction
+# of a millisecond, and one scheduling hiccup on a shared 2-core machine takes several).
+MANY_REPEATS_BELOW = 4 << 20
+SMALL_FACTOR = 4
+
+
+def repeats_for(nbytes: int, repeats: int) -> int:
+    """Timed runs of each contender at ``nbytes``: ``repeats``, more below MANY_REPEATS_BELOW."""
+    return repeats * SMALL_FACTOR if nbytes < MANY_REPEATS_BELOW else repeats
+
+
 def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
     """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
-    repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's."""
+    repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's.
+
+    The order of the contenders turns by one every repeat, so that none always runs first (or
+    always after the same neighbour). Below :data:`MANY_REPEATS_BELOW` a run costs little and
+    the machine's noise a lot: those sizes get :data:`SMALL_FACTOR` times the repeats."""
     dev = device()
     # On the CPU, chapter 4's shared-memory transport, and one core's copy of the same bytes:
     # what memory alone allows, a ceiling for any transport between ranks on one host.
@@ -42,8 +57,9 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
         copy = torch.empty_like(tensor)
         times = {name: [] for name in contenders}
-        for i in range(warmup + repeats):
-            for name in contenders:
+        for i in range(warmup + repeats_for(nbytes, repeats)):
+            turn = i % len(contenders)
+            for name in contenders[turn:] + contenders[:turn]:
                 dist.barrier()
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -86,8 +102,9 @@ def bench_allreduce(
     ]
     records = []
     print(
-        f"all_reduce, float32, world size {world_size}, median of {repeats} "
-        f"(slowest rank), baseline torch.distributed.all_reduce"
+        f"all_reduce, float32, world size {world_size}, median of {repeats} runs "
+        f"({repeats * SMALL_FACTOR} below {_human(MANY_REPEATS_BELOW)}; slowest rank; "
+        f"contenders interleaved), baseline torch.distributed.all_reduce"
     )
     print(
         f"{'algorithm':>20s} {'bytes':>10s} {'median':>10s} {'torch':>10s} {'ratio':>6s} "

@@ -327,6 +327,7 @@ def reduce_scatter(
     n = output.numel()
     flat = torch.cat([t.reshape(-1) for t in input_list]) if n else output.new_empty(0)
     _ring_reduce_scatter(comm, flat, op, [(r * n, (r + 1) * n) for r in range(comm.size)])
+    comm.wait_all()  # its last sends
     mine = flat[comm.rank * n : (comm.rank + 1) * n]
     _finish_avg(mine, op, comm.size)
     output.copy_(mine.view(output.shape))

@@ -23,6 +23,7 @@ rank's device (every chapter's rank functions put their tensors there; also
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -131,8 +132,29 @@ def padded_block(size: int, *, rank: int, world_size: int) -> tuple[int, int]:
 RING_SLICE_BYTES = 1 << 20
 
 
-def ring_slices(start: int, stop: int, element_size: int) -> list[tuple[int, int]]:
-    """The slices ``(start, stop)`` in which a ring sends the chunk ``[start, stop)``."""
+def ring_slices(
+    start: int, stop: int, element_size: int, slice_bytes: int | None = None
+) -> list[tuple[int, int]]:
+    """The slices ``(start, stop)`` in which a ring sends the chunk ``[start, stop)``, each of
+    about ``slice_bytes`` (default :data:`RING_SLICE_BYTES`)."""
     n = stop - start
-    parts = max(1, min(16, math.ceil(n * element_size / RING_SLICE_BYTES)))
+    slice_bytes = slice_bytes or RING_SLICE_BYTES
+    parts = max(1, min(16, math.ceil(n * element_size / slice_bytes)))
     return [(start + a, start + b) for a, b in balanced_blocks(n, parts) if b > a]
+
+
+def ring_schedule(numel: int, parts: int, element_size: int):
+    """A ring all-reduce's chunks of a ``numel``-element tensor over ``parts`` ranks
+    (:func:`balanced_blocks`) and each chunk's slices (:func:`ring_slices`), as tuples.
+
+    The same on every rank and for every call with the same shape, so it is worked out once and
+    kept: on a 64 KiB all-reduce, working it out again each call cost more than adding the
+    chunks (chapter 4)."""
+    return _ring_schedule(numel, parts, element_size, RING_SLICE_BYTES)
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_schedule(numel: int, parts: int, element_size: int, slice_bytes: int):
+    chunks = tuple(balanced_blocks(numel, parts))
+    slices = tuple(tuple(ring_slices(a, b, element_size, slice_bytes)) for a, b in chunks)
+    return chunks, slices

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dmlbook.comm.groups import balanced_blocks, ring_slices
 from dmlbook.comm.p2p import _DTYPES, _Comm
@@ -69,7 +68,7 @@ class ShapeCheck:
         self.can_inline = tensor.device.type == "cpu"
         # This plumbing speaks to the process group itself, in group ranks: ``dist.isend``'s
         # argument checks cost as much as a small message's copy, on every call.
-        self.pg = comm.group if comm.group is not None else dist.group.WORLD
+        self.pg = comm.pg
 
     # ------------------------------------------------------------------ sending and receiving
 
