@@ -7,7 +7,7 @@ shared-memory transport and DeepSpeed's CPU all-reduce do. This module is that t
 enough to read:
 
 * **One buffer per group.** Group rank 0 makes an anonymous memory file (``memfd_create``) with a
-  header, then a ring of *cells* and a *slot* per rank; the others open it through
+  header, then ``CELLS`` *cells* and a *slot* per rank; the others open it through
   ``/proc/<pid>/fd/<fd>`` and map it. It has no name on the machine, so no other run can meet
   it, and the kernel frees it when the last rank that mapped it exits, however it exits: nothing
   is ever left behind.
@@ -17,7 +17,12 @@ enough to read:
   counter. No message, no TCP. This relies on x86-64's memory order: a core's stores are seen
   by the others in the order it made them, and its loads are not moved after its later stores,
   so a counter is seen only after the data written before it, and a rank that has announced
-  "done reading" has really finished reading. (glibc's streaming copies end with a fence.)
+  "done reading" has really finished reading.
+* **Waiting without stealing the core.** A rank spins for a few microseconds (a peer that keeps
+  pace arrives by then), then sleeps in the kernel on the late rank's counter (a *futex*, the
+  call under every Linux mutex) until that rank publishes, which wakes it at once, as a socket
+  wakes a rank blocked on gloo. On a busy machine a spinning rank would hold the core its peer
+  needs.
 * **All-reduce = reduce-scatter + all-gather, streamed a block at a time.** The tensor is cut
   into one chunk per rank (chunk r is rank r's to reduce, as in chapter 2's ring), and each
   chunk into blocks. Block k of every chunk travels through one cell, in three stages, each
@@ -29,17 +34,17 @@ enough to read:
   3. *copy out*: once every rank has reduced block k, rank r copies block k of every other
      chunk from its owner's cell (``done``).
 
-  A rank runs the stages as a pipeline (chapter 6's idea): copy in block k + 2 while it reduces
-  block k + 1 and copies out block k, so a rank seldom waits, and a block is still in the
-  shared cache when the next stage, on the other core, reads it. Memory itself then sees
-  about what a memcpy costs (the tensor read once, written once); the cells' traffic stays in
-  cache. Cells are used in turn: block k reuses the cell of block k - CELLS once every rank is
-  done with that one. A rank moves about 4.5 bytes per tensor byte at world size 2 (a memcpy
-  moves 2), but most of them between cache and core.
+  A rank runs the stages as a pipeline (chapter 6's idea): in one step it copies in block
+  k + 2, reduces block k + 1 and copies out block k, so that ranks running side by side find
+  what they need already published, and a block is still in the shared cache when the other
+  core reads it. Block k uses cell k % CELLS, once every rank is done with block k - CELLS.
+  Each tensor byte is still read and written about 4.5 times per rank at world size 2 (a copy:
+  twice), but the tensor itself comes from memory once and goes back once.
 * **One barrier per call**, at the start. Each rank publishes its tensor's size and dtype there,
   and every rank compares them, so a mismatch is the same ValueError on every rank, before any
-  rank has touched a cell. A rank that never arrives (it died, or never called) becomes a
-  TimeoutError naming it after ``timeout`` seconds, never a hang.
+  rank has touched a cell; and no rank starts a call before every rank has finished the last.
+  A rank that never arrives (it died, or never called) becomes a TimeoutError naming it after
+  ``timeout`` seconds, never a hang.
 
 All-gather and reduce-scatter are simpler: each rank copies its data into its slot, barrier, each
 rank reads what it needs from every slot, in pieces of a slot's size; two sets of slots, used in
@@ -49,6 +54,7 @@ signatures.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -74,7 +80,7 @@ __all__ = [
 
 CELL_BYTES = 1 << 20  # one cell: block k of every chunk; small enough to stay in cache
 CELLS = 16  # cells per rank, used in turn (at least 3: a pipeline of three stages)
-SPIN_S, NAP_S = 50e-6, 50e-6  # a late rank: spin this long, then sleep this long at a time
+SPIN_S, NAP_S = 20e-6, 0.01  # a late peer: spin this long, then sleep, rechecking this often
 SLOT_BYTES = 8 << 20  # all_gather/reduce_scatter: each rank's slot; larger tensors go in pieces
 _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks never share one
 # The words of a rank's line. Words 1-2 or 3-4 (by the call's parity) hold what the call passed,
@@ -169,24 +175,35 @@ class SharedMemoryGroup:
     def publish(self, word: int, value: int) -> None:
         """Tell every rank: my counter ``word`` has reached ``value`` (after what it counts)."""
         self.lines[self.rank, word] = value
+        _futex_wake(self._address(self.rank, word))  # ranks asleep on it, if any, wake up
 
     def wait(self, word: int, value: int, what: str) -> None:
         """Until every rank's counter ``word`` has reached ``value``; TimeoutError naming the
         late ranks after ``timeout`` seconds."""
         counts = self.lines[:, word]  # a view: each read sees the memory as it is now
-        if min(counts.tolist()) >= value:  # the common case, when ranks keep pace
+        spin_until = time.perf_counter() + SPIN_S
+        while min(counts.tolist()) < value:  # ranks that keep pace meet here within SPIN_S
+            if time.perf_counter() > spin_until:
+                break
+        else:
             return
-        now = time.perf_counter()
-        nap_after, deadline = now + SPIN_S, now + self.timeout
-        while min(counts.tolist()) < value:
-            if time.perf_counter() > nap_after:  # the peer is late, likely not even running:
-                time.sleep(NAP_S)  # give the core away (it may be the peer's)
-                if time.perf_counter() > deadline:
-                    late = [r for r in range(self.size) if counts[r] < value]
-                    raise TimeoutError(
-                        f"shared memory, {what}: ranks {late} did not arrive in "
-                        f"{self.timeout:g} s (did they call the same collective?)"
-                    )
+        # A rank is late, likely not even running: sleep in the kernel until its counter
+        # changes (a futex), leaving our core to it or to others, and wake as soon as it
+        # publishes, as a rank blocked on a socket does. Waking every NAP_S keeps the deadline.
+        deadline = time.monotonic() + self.timeout
+        while min(seen := counts.tolist()) < value:
+            late = seen.index(min(seen))
+            _futex_wait(self._address(late, word), seen[late], NAP_S)
+            if time.monotonic() > deadline:
+                late = [r for r in range(self.size) if counts[r] < value]
+                raise TimeoutError(
+                    f"shared memory, {what}: ranks {late} did not arrive in "
+                    f"{self.timeout:g} s (did they call the same collective?)"
+                )
+
+    def _address(self, rank: int, word: int) -> int:
+        """Where rank ``rank``'s counter ``word`` is, in this process's memory."""
+        return self.header.data_ptr() + (rank * _HEADER_WORDS + word) * 8
 
     def barrier(self, numel: int = -1, dtype: torch.dtype | None = None) -> None:
         """Wait until every rank has arrived here; optionally publish what this call passed."""
@@ -241,8 +258,10 @@ class SharedMemoryGroup:
     def _copy_in(self, k: int, parts, cells) -> None:
         """1. Block k of every chunk but mine into my cell."""
         n = self.blocks + k  # blocks are counted across calls: counters only grow
+        # Block k goes through cell k % CELLS, last used by block k - CELLS of this call (or by
+        # an earlier call, which every rank finished before the call's barrier)
         self.wait(_DONE, n - CELLS + 1, "all_reduce")  # every rank is done with this cell
-        cell = cells[self.rank][n % CELLS]
+        cell = cells[self.rank][k % CELLS]
         for c, part in _block(parts, k):
             if c != self.rank:
                 _fit(cell[c], part).copy_(part)
@@ -253,8 +272,8 @@ class SharedMemoryGroup:
         n = self.blocks + k
         self.wait(_COPIED, n + 1, "all_reduce")
         for _, mine in _block(parts, k, only=self.rank):
-            out = _fit(cells[self.rank][n % CELLS][self.rank], mine)
-            peers = [cells[q][n % CELLS][self.rank] for q in range(self.size) if q != self.rank]
+            out = _fit(cells[self.rank][k % CELLS][self.rank], mine)
+            peers = [cells[q][k % CELLS][self.rank] for q in range(self.size) if q != self.rank]
             combine(mine, _fit(peers[0], mine), out=out)  # mine first, then in rank order
             for theirs in peers[1:]:
                 combine(out, _fit(theirs, mine), out=out)
@@ -267,7 +286,7 @@ class SharedMemoryGroup:
         self.wait(_REDUCED, n + 1, "all_reduce")
         for c, part in _block(parts, k):
             if c != self.rank:
-                part.copy_(_fit(cells[c][n % CELLS][c], part))
+                part.copy_(_fit(cells[c][k % CELLS][c], part))
         self.publish(_DONE, n + 1)  # my reads of this block, in every rank's cell, are over
 
     def _cells(self, dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
@@ -332,6 +351,30 @@ def _block(parts: list[tuple[torch.Tensor, ...]], k: int, only: int | None = Non
 def _fit(room: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """The first ``len(part)`` elements of a cell's ``room`` (a chunk's last block is short)."""
     return room if len(room) == len(part) else room[: len(part)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # Linux on x86-64
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(address: int, seen: int, seconds: float) -> None:
+    """Sleep while the 32-bit word at ``address`` (a counter's low half) still holds ``seen``,
+    for at most ``seconds``. The kernel compares and sleeps in one step, so a wake-up between
+    our last look and the sleep is never lost."""
+    timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    low = ctypes.c_uint32(seen & 0xFFFFFFFF)
+    _LIBC.syscall(
+        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, low, ctypes.byref(timeout), None, 0
+    )
+
+
+def _futex_wake(address: int) -> None:
+    """Wake every process asleep on the word at ``address`` (a shared mapping: any process)."""
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 1 << 30, None, None, 0)
 
 
 def _boot_id() -> torch.Tensor:
