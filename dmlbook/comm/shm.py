@@ -36,10 +36,10 @@ enough to read:
 
   A rank runs the stages as a pipeline (chapter 6's idea): in one step it copies in block
   k + 2, reduces block k + 1 and copies out block k, so that ranks running side by side find
-  what they need already published, and a block is still in the shared cache when the other
-  core reads it. Block k uses cell k % CELLS, once every rank is done with block k - CELLS.
-  Each tensor byte is still read and written about 4.5 times per rank at world size 2 (a copy:
-  twice), but the tensor itself comes from memory once and goes back once.
+  what they need already published, and can find a block still in the cache the cores share.
+  Block k uses cell k % CELLS, once every rank is done with block k - CELLS. Each rank still
+  reads and writes every byte of its tensor about 4.5 times at world size 2 (a copy: 2 times);
+  when the ranks run side by side, that, not the waiting, is where the time goes.
 * **One barrier per call**, at the start. Each rank publishes its tensor's size and dtype there,
   and every rank compares them, so a mismatch is the same ValueError on every rank, before any
   rank has touched a cell; and no rank starts a call before every rank has finished the last.
