@@ -78,9 +78,9 @@ __all__ = [
     "reduce_scatter",
 ]
 
-CELL_BYTES = 1 << 20  # one cell: block k of every chunk; small enough to stay in cache
-CELLS = 16  # cells per rank, used in turn (at least 3: a pipeline of three stages)
-SPIN_S, NAP_S = 20e-6, 0.01  # a late peer: spin this long, then sleep, rechecking this often
+CELL_BYTES = 2 << 20  # one cell: block k of every chunk (1 MiB of each at 2 ranks)
+CELLS = 8  # cells per rank, used in turn (at least 3: a pipeline of three stages)
+SPIN_S, NAP_S = 5e-6, 0.01  # a late peer: spin this long, then sleep, rechecking this often
 SLOT_BYTES = 8 << 20  # all_gather/reduce_scatter: each rank's slot; larger tensors go in pieces
 _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks never share one
 # The words of a rank's line. Words 1-2 or 3-4 (by the call's parity) hold what the call passed,
