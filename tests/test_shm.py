@@ -17,8 +17,10 @@ from torch.distributed import ReduceOp
 from dmlbook.comm import collectives, shm
 from dmlbook.launch import RankError, run
 
-# (numel, dtype, op): a length no world size divides, one shorter than the world, an empty one
+# (numel, dtype, op): a length no world size divides, one shorter than the world, an empty one,
+# and one of 4 MiB that streams through more blocks than a rank has cells
 CASES = [
+    ((1 << 20) + 3, torch.float32, ReduceOp.SUM),
     (1001, torch.float32, ReduceOp.SUM),
     (1001, torch.float64, ReduceOp.AVG),
     (3, torch.int64, ReduceOp.MAX),
@@ -62,11 +64,29 @@ def _every_collective():
         via_collectives = _input(numel, dtype, rank).reshape(1, -1).t()  # not contiguous
         collectives.all_reduce(via_collectives, op, algorithm="shm")
         out[f"all_reduce {i}"] = (ours, theirs, via_collectives.reshape(-1))
-    # pieces: a slot of 256 bytes carries a 1001-element tensor in 16 pieces
-    small = shm.SharedMemoryGroup.create(slot_bytes=256)
-    pieces = _input(1001, torch.float32, rank)
-    small.all_reduce(pieces, ReduceOp.SUM)
-    out["pieces"] = pieces
+    # many blocks: with cells of 64 bytes, a block holds 2 to 8 elements, so a chunk of 1001
+    # goes around the ring of cells dozens of times, in calls that follow each other
+    small = shm.SharedMemoryGroup.create(cell_bytes=64, slot_bytes=256)
+    for i, (numel, dtype, op) in enumerate(CASES):
+        blocks = _input(numel, dtype, rank)
+        small.all_reduce(blocks, op)
+        if op == ReduceOp.AVG:
+            blocks /= world  # what the public function does after the transport
+        out[f"blocks {i}"] = blocks
+    # pieces: a slot of 256 bytes carries 1001 float32 in 16 pieces (all_gather) and 301 in
+    # 5 to 19 (reduce_scatter: every rank's part of each piece shares the slot)
+    mine = _input(1001, torch.float32, rank, salt=rank)
+    gathered = torch.empty(world, 1001)
+    small.all_gather(gathered, mine)
+    expected = [torch.empty(1001) for _ in range(world)]
+    dist.all_gather(expected, mine)
+    out["pieces all_gather"] = (gathered, torch.stack(expected))
+    inputs = torch.stack([_input(301, torch.float32, rank, salt=j) for j in range(world)])
+    scattered = torch.empty(301)
+    small.reduce_scatter(scattered, inputs, ReduceOp.SUM)
+    everything = inputs.clone()
+    dist.all_reduce(everything)
+    out["pieces reduce_scatter"] = (scattered, everything[rank])
     # all_gather and reduce_scatter, against gloo's
     mine = _input(5, torch.float32, rank, salt=rank)
     gathered = [torch.empty(5) for _ in range(world)]
@@ -95,9 +115,9 @@ def test_equal_to_gloo_and_to_one_process(world_size):
             torch.testing.assert_close(ours, expected, **tolerance, msg=f"rank {rank} case {i}")
             torch.testing.assert_close(ours, theirs, **tolerance)
             torch.testing.assert_close(via_collectives, ours, atol=0, rtol=0)
-        torch.testing.assert_close(
-            out["pieces"], _reference(1001, torch.float32, ReduceOp.SUM, world_size).float()
-        )
+            torch.testing.assert_close(out[f"blocks {i}"], ours, atol=0, rtol=0)
+        torch.testing.assert_close(*out["pieces all_gather"], atol=0, rtol=0)
+        torch.testing.assert_close(*out["pieces reduce_scatter"], atol=0, rtol=0)
         torch.testing.assert_close(*out["all_gather"], atol=0, rtol=0)
         torch.testing.assert_close(*out["reduce_scatter"], atol=0, rtol=0)
     if world_size > 1:  # every rank holds the same bits
@@ -171,3 +191,19 @@ def _as_if_on_another_host():
 def test_ranks_on_two_hosts_are_refused_naming_the_rank():
     with pytest.raises(RankError, match="rank 1 is not on group rank 0's"):
         run(_as_if_on_another_host, 2, timeout=30)
+
+
+def _stops_after_the_barrier():
+    group = shm.SharedMemoryGroup.create(timeout=0.5)
+    if dist.get_rank() == 1:
+        group.start(1000, torch.float32, "all_reduce")  # the call's barrier, then nothing
+        return None
+    try:
+        group.all_reduce(torch.ones(1000), ReduceOp.SUM)
+    except TimeoutError as e:
+        return str(e)
+
+
+def test_a_rank_that_stops_mid_pipeline_is_a_timeout_naming_it():
+    said, _ = run(_stops_after_the_barrier, 2, timeout=30)
+    assert "all_reduce: ranks [1] did not arrive" in said

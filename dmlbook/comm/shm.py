@@ -7,35 +7,60 @@ shared-memory transport and DeepSpeed's CPU all-reduce do. This module is that t
 enough to read:
 
 * **One buffer per group.** Group rank 0 makes an anonymous memory file (``memfd_create``) with a
-  header and one *slot* per rank; the others open it through ``/proc/<pid>/fd/<fd>`` and map it.
-  It has no name on the machine, so no other run can meet it, and the kernel frees it when the
-  last rank that mapped it exits, however it exits: nothing is ever left behind.
-* **The ranks' own synchronisation.** A barrier is a counter per rank in the header: a rank
-  publishes its count, then waits until every rank's count has reached it. No message, no TCP.
-  (This relies on x86-64's store order: data written before a counter is seen before it.)
-* **All-reduce = reduce-scatter + all-gather through memory.** Each rank copies its tensor into
-  its slot, all but chunk r (the same chunks as chapter 2's ring), which only rank r needs;
-  barrier; rank r adds chunk r of every other slot into its own tensor and puts the sum into
-  chunk r of its slot; barrier; each rank copies every other chunk of the sum from its owner's
-  slot. No byte crosses a socket.
-* **Two sets of slots, used in turn**, so that no barrier is needed at the end: a round writes
-  the set the round before last read, and no rank starts that round before every rank has
-  passed the first barrier of the round between, so every read of the old round is done. Two
-  barriers per round, not three (each costs a wake-up when a rank waits for a descheduled peer).
+  header, then ``CELLS`` *cells* and a *slot* per rank; the others open it through
+  ``/proc/<pid>/fd/<fd>`` and map it. It has no name on the machine, so no other run can meet
+  it, and the kernel frees it when the last rank that mapped it exits, however it exits: nothing
+  is ever left behind.
+* **The ranks' own synchronisation: counters that only grow.** Each rank owns one cache line of
+  the header and is its only writer. To say "I have done k things" it writes k there; to wait,
+  it reads every rank's line until all have reached the value it needs. A barrier is one such
+  counter. No message, no TCP. This relies on x86-64's memory order: a core's stores are seen
+  by the others in the order it made them, and its loads are not moved after its later stores,
+  so a counter is seen only after the data written before it, and a rank that has announced
+  "done reading" has really finished reading.
+* **Waiting without stealing the core.** A rank spins for a few microseconds (a peer that keeps
+  pace arrives by then), then sleeps in the kernel on the late rank's counter (a *futex*, the
+  call under every Linux mutex) until that rank publishes, which wakes it at once, as a socket
+  wakes a rank blocked on gloo. On a busy machine a spinning rank would hold the core its peer
+  needs.
+* **All-reduce = reduce-scatter + all-gather, streamed a block at a time.** The tensor is cut
+  into one chunk per rank (chunk r is rank r's to reduce, as in chapter 2's ring), and each
+  chunk into blocks. Block k of every chunk travels through one cell, in three stages, each
+  announced by a counter of its own:
 
-The functions follow ``torch.distributed``'s signatures. ``check`` is free here: each rank writes
-its tensor's size and dtype into the header at the first barrier, and every rank compares them,
-so a mismatch is the same ValueError on every rank. A rank that never arrives (it died, or never
-called) becomes a TimeoutError naming it after ``timeout`` seconds, never a hang.
+  1. *copy in*: rank r copies block k of every other chunk into its cell (``copied``);
+  2. *reduce*: once every rank has copied block k, rank r combines block k of its own chunk
+     from every rank's cell with its own, into its cell and its tensor (``reduced``);
+  3. *copy out*: once every rank has reduced block k, rank r copies block k of every other
+     chunk from its owner's cell (``done``).
+
+  A rank runs the stages as a pipeline (chapter 6's idea): in one step it copies in block
+  k + 2, reduces block k + 1 and copies out block k, so that ranks running side by side find
+  what they need already published, and can find a block still in the cache the cores share.
+  Block k uses cell k % CELLS, once every rank is done with block k - CELLS. Each rank still
+  reads and writes every byte of its tensor about 4.5 times at world size 2 (a copy: 2 times);
+  when the ranks run side by side, that, not the waiting, is where the time goes.
+* **One barrier per call**, at the start. Each rank publishes its tensor's size and dtype there,
+  and every rank compares them, so a mismatch is the same ValueError on every rank, before any
+  rank has touched a cell; and no rank starts a call before every rank has finished the last.
+  A rank that never arrives (it died, or never called) becomes a TimeoutError naming it after
+  ``timeout`` seconds, never a hang.
+
+All-gather and reduce-scatter are simpler: each rank copies its data into its slot, barrier, each
+rank reads what it needs from every slot, in pieces of a slot's size; two sets of slots, used in
+turn, spare a barrier at the end of each piece. The functions follow ``torch.distributed``'s
+signatures.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
@@ -43,43 +68,81 @@ from torch.distributed import ReduceOp
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.comm.p2p import _DTYPES, _check_op, _check_tensor, _combine, _finish_avg, _flat
 
-__all__ = ["SLOT_BYTES", "SharedMemoryGroup", "all_gather", "all_reduce", "reduce_scatter"]
+__all__ = [
+    "CELL_BYTES",
+    "CELLS",
+    "SLOT_BYTES",
+    "SharedMemoryGroup",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+]
 
-SLOT_BYTES = 8 << 20  # each rank's slot; larger tensors go through in pieces of this size
+CELL_BYTES = 2 << 20  # one cell: block k of every chunk (1 MiB of each at 2 ranks)
+CELLS = 8  # cells per rank, used in turn (at least 3: a pipeline of three stages)
+SPIN_S, NAP_S = 5e-6, 0.01  # a late peer: spin this long, then sleep, rechecking this often
+SLOT_BYTES = 8 << 20  # all_gather/reduce_scatter: each rank's slot; larger tensors go in pieces
 _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks never share one
-# Word 0 is the rank's barrier count; words 1-2 or 3-4 (by the round's parity) what the call
-# passed, its numel and dtype. Two places, because a rank that has raised on a mismatch may
-# publish its next call's while a slower rank still reads this one's.
-_COUNT = 0
+# The words of a rank's line. Words 1-2 or 3-4 (by the call's parity) hold what the call passed,
+# its numel and dtype: two places, because a rank that has raised on a mismatch may publish its
+# next call's while a slower rank still reads this one's.
+_BARRIER, _COPIED, _REDUCED, _DONE = 0, 5, 6, 7
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+# out <- a (op) b, elementwise; AVG sums here and divides once at the end (p2p._finish_avg)
+_COMBINE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+}
 
 
 @dataclass
 class SharedMemoryGroup:
-    """A group's shared buffer: ``header[r]`` is rank r's line, ``slots[s, r]`` its bytes in
-    set s (rounds alternate between the two sets)."""
+    """A group's shared buffer: ``header[r]`` is rank r's line, ``cells[r]`` its ring of cells
+    (all_reduce) and ``slots[s, r]`` its slot in set s (all_gather, reduce_scatter)."""
 
     rank: int
     size: int
     header: torch.Tensor  # (size, _HEADER_WORDS) int64, in shared memory
+    cells: torch.Tensor  # (size, CELLS, cell_bytes) uint8, in shared memory
     slots: torch.Tensor  # (2, size, slot_bytes) uint8, in shared memory
     timeout: float
+    calls: int = 0  # collectives this rank has started
     count: int = 0  # barriers this rank has passed
-    rounds: int = 0  # rounds (a call's pieces that fit a slot) this rank has started
+    blocks: int = 0  # all_reduce blocks this rank has taken through its cells
+    rounds: int = 0  # all_gather/reduce_scatter pieces this rank has started
+    lines: np.ndarray = field(init=False, repr=False)  # the header, as numpy: cheaper to poll
+    views: dict = field(default_factory=dict, repr=False)  # dtype -> the cells' views (_cells)
+
+    def __post_init__(self) -> None:
+        self.lines = self.header.numpy()  # the same memory
 
     @classmethod
-    def create(cls, group=None, slot_bytes: int = SLOT_BYTES, timeout: float = 60.0):
+    def create(
+        cls,
+        group=None,
+        cell_bytes: int = CELL_BYTES,
+        slot_bytes: int = SLOT_BYTES,
+        timeout: float = 60.0,
+    ):
         """Collective over ``group``: rank 0 makes the buffer, every rank maps it."""
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise NotImplementedError(
-                "the shared-memory transport relies on x86-64's store order; use gloo here"
+                "the shared-memory transport relies on x86-64's memory order; use gloo here"
             )
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if cell_bytes < 8 * size or cell_bytes % 8 or slot_bytes < 8 * size or slot_bytes % 8:
+            raise ValueError(
+                f"cell_bytes and slot_bytes must be multiples of 8, at least 8 x {size} ranks"
+            )
         header_bytes = size * _HEADER_WORDS * 8
-        total = header_bytes + 2 * size * slot_bytes
+        cell_total = size * CELLS * cell_bytes
+        total = header_bytes + cell_total + 2 * size * slot_bytes
         if rank == 0:
             fd = os.memfd_create("dmlbook-shm", os.MFD_CLOEXEC)  # a label, not a name to share
-            os.ftruncate(fd, total)
+            os.ftruncate(fd, total)  # pages are made when first touched
             where = _where(fd)
         else:
             where = torch.zeros(6, dtype=torch.int64)
@@ -103,37 +166,58 @@ class SharedMemoryGroup:
         dist.barrier(group=group)  # every rank has mapped it: the file itself may go
         os.close(fd)  # the mappings keep the memory; the last one gone frees it
         header = memory[:header_bytes].view(torch.int64).view(size, _HEADER_WORDS)
-        slots = memory[header_bytes:].view(2, size, slot_bytes)
-        return cls(rank, size, header, slots, timeout)
+        cells = memory[header_bytes : header_bytes + cell_total].view(size, CELLS, cell_bytes)
+        slots = memory[header_bytes + cell_total :].view(2, size, slot_bytes)
+        return cls(rank, size, header, cells, slots, timeout)
 
     # ------------------------------------------------------------------ synchronisation
 
+    def publish(self, word: int, value: int) -> None:
+        """Tell every rank: my counter ``word`` has reached ``value`` (after what it counts)."""
+        self.lines[self.rank, word] = value
+        _futex_wake(self._address(self.rank, word))  # ranks asleep on it, if any, wake up
+
+    def wait(self, word: int, value: int, what: str) -> None:
+        """Until every rank's counter ``word`` has reached ``value``; TimeoutError naming the
+        late ranks after ``timeout`` seconds."""
+        counts = self.lines[:, word]  # a view: each read sees the memory as it is now
+        spin_until = time.perf_counter() + SPIN_S
+        while min(counts.tolist()) < value:  # ranks that keep pace meet here within SPIN_S
+            if time.perf_counter() > spin_until:
+                break
+        else:
+            return
+        # A rank is late, likely not even running: sleep in the kernel until its counter
+        # changes (a futex), leaving our core to it or to others, and wake as soon as it
+        # publishes, as a rank blocked on a socket does. Waking every NAP_S keeps the deadline.
+        deadline = time.monotonic() + self.timeout
+        while min(seen := counts.tolist()) < value:
+            late = seen.index(min(seen))
+            _futex_wait(self._address(late, word), seen[late], NAP_S)
+            if time.monotonic() > deadline:
+                late = [r for r in range(self.size) if counts[r] < value]
+                raise TimeoutError(
+                    f"shared memory, {what}: ranks {late} did not arrive in "
+                    f"{self.timeout:g} s (did they call the same collective?)"
+                )
+
+    def _address(self, rank: int, word: int) -> int:
+        """Where rank ``rank``'s counter ``word`` is, in this process's memory."""
+        return self.header.data_ptr() + (rank * _HEADER_WORDS + word) * 8
+
     def barrier(self, numel: int = -1, dtype: torch.dtype | None = None) -> None:
         """Wait until every rank has arrived here; optionally publish what this call passed."""
-        self.count += 1
-        mine = self.header[self.rank]
         if dtype is not None:
             at = self._published()
-            mine[at], mine[at + 1] = numel, _DTYPE_CODE[dtype]
-        mine[_COUNT] = self.count  # written last: seen only after the words above
-        counts = self.header.numpy()[:, _COUNT]  # the same memory, read without torch's overhead
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while counts.min() < self.count:
-            spins += 1
-            if spins > 100:  # about 50 us: the peer is late, likely not even running
-                time.sleep(0 if spins < 1000 else 50e-6)  # let a rank sharing our core in
-                if time.monotonic() > deadline:
-                    late = [r for r in range(self.size) if counts[r] < self.count]
-                    raise TimeoutError(
-                        f"shared-memory barrier: ranks {late} did not arrive in "
-                        f"{self.timeout:.0f} s (did they call the same collective?)"
-                    )
+            self.lines[self.rank, at : at + 2] = numel, _DTYPE_CODE[dtype]
+        self.count += 1
+        self.publish(_BARRIER, self.count)  # written last: seen only after the words above
+        self.wait(_BARRIER, self.count, "barrier")
 
     def check_same(self, what: str) -> None:
         """After a publishing barrier: the same numel and dtype on every rank, or ValueError."""
         at = self._published()
-        rows = self.header[:, [at, at + 1]].tolist()
+        rows = self.lines[:, at : at + 2].tolist()
         if any(row != rows[0] for row in rows):
             found = ", ".join(
                 f"rank {r}: {numel} x {_DTYPES[code]}" for r, (numel, code) in enumerate(rows)
@@ -141,51 +225,104 @@ class SharedMemoryGroup:
             raise ValueError(f"{what} differ across ranks: {found}")
 
     def _published(self) -> int:
-        return 1 + 2 * (self.rounds % 2)
+        return 1 + 2 * (self.calls % 2)
+
+    def start(self, numel: int, dtype: torch.dtype, what: str) -> None:
+        """Every collective begins here: one barrier, and the same sizes everywhere."""
+        self.calls += 1
+        self.barrier(numel, dtype)
+        self.check_same(f"{what} tensor sizes or dtypes")
+
+    # ------------------------------------------------------------------ all_reduce
+
+    def all_reduce(self, flat: torch.Tensor, op) -> None:
+        """``flat`` (1-D, contiguous) reduced in place, a block at a time through the cells."""
+        self.start(flat.numel(), flat.dtype, "all_reduce")
+        if self.size == 1:
+            return
+        cells = self._cells(flat.dtype)  # cells[q][i][c]: rank q's cell i, room for chunk c
+        block = len(cells[0][0][0])  # elements in a block
+        # parts[c][k]: block k of chunk c, a view of flat; chunk r is rank r's to reduce
+        parts = [flat[lo:hi].split(block) for lo, hi in balanced_blocks(len(flat), self.size)]
+        count = len(parts[0])  # blocks in a chunk (chunk 0 is the longest)
+        combine = _COMBINE[op]
+        for step in range(count + 2):  # a pipeline of three stages, one block apart
+            if step < count:
+                self._copy_in(step, parts, cells)
+            if 0 <= step - 1 < count:
+                self._reduce(step - 1, parts, cells, combine)
+            if 0 <= step - 2 < count:
+                self._copy_out(step - 2, parts, cells)
+        self.blocks += count
+
+    def _copy_in(self, k: int, parts, cells) -> None:
+        """1. Block k of every chunk but mine into my cell."""
+        n = self.blocks + k  # blocks are counted across calls: counters only grow
+        # Block k goes through cell k % CELLS, last used by block k - CELLS of this call (or by
+        # an earlier call, which every rank finished before the call's barrier)
+        self.wait(_DONE, n - CELLS + 1, "all_reduce")  # every rank is done with this cell
+        cell = cells[self.rank][k % CELLS]
+        for c, part in _block(parts, k):
+            if c != self.rank:
+                _fit(cell[c], part).copy_(part)
+        self.publish(_COPIED, n + 1)
+
+    def _reduce(self, k: int, parts, cells, combine) -> None:
+        """2. Block k of my chunk, combined over every rank, into my cell and my tensor."""
+        n = self.blocks + k
+        self.wait(_COPIED, n + 1, "all_reduce")
+        for _, mine in _block(parts, k, only=self.rank):
+            out = _fit(cells[self.rank][k % CELLS][self.rank], mine)
+            peers = [cells[q][k % CELLS][self.rank] for q in range(self.size) if q != self.rank]
+            combine(mine, _fit(peers[0], mine), out=out)  # mine first, then in rank order
+            for theirs in peers[1:]:
+                combine(out, _fit(theirs, mine), out=out)
+            mine.copy_(out)
+        self.publish(_REDUCED, n + 1)
+
+    def _copy_out(self, k: int, parts, cells) -> None:
+        """3. Block k of every other chunk, reduced, from its owner's cell."""
+        n = self.blocks + k
+        self.wait(_REDUCED, n + 1, "all_reduce")
+        for c, part in _block(parts, k):
+            if c != self.rank:
+                part.copy_(_fit(cells[c][k % CELLS][c], part))
+        self.publish(_DONE, n + 1)  # my reads of this block, in every rank's cell, are over
+
+    def _cells(self, dtype: torch.dtype) -> list[list[list[torch.Tensor]]]:
+        """Views of the cells as ``dtype``, made once: indexing tensors costs microseconds."""
+        if dtype not in self.views:
+            block = self.cells.shape[2] // (self.size * dtype.itemsize)
+            used = self.size * block * dtype.itemsize
+            self.views[dtype] = [
+                [list(cell[:used].view(dtype).view(self.size, block)) for cell in ring]
+                for ring in self.cells
+            ]
+        return self.views[dtype]
+
+    # ------------------------------------------------------------------ the others
 
     def slot(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Rank ``rank``'s slot in this round's set."""
         return self.slots[self.rounds % 2, rank].view(dtype)[:numel]
 
-    # ------------------------------------------------------------------ the collectives
-
-    def all_reduce(self, flat: torch.Tensor, op) -> None:
-        """``flat`` (1-D, contiguous) reduced in place, in pieces that fit a slot."""
-        per_slot = self.slots.shape[2] // flat.element_size()
-        for start in range(0, max(1, flat.numel()), per_slot):  # once, even when empty
-            self.rounds += 1
-            piece = flat[start : start + per_slot]
-            blocks = balanced_blocks(piece.numel(), self.size)  # chunk r is rank r's to reduce
-            lo, hi = blocks[self.rank]
-            mine = self.slot(self.rank, piece.dtype, piece.numel())
-            mine[:lo].copy_(piece[:lo])  # 1. my data in, but for my own chunk: nobody else
-            mine[hi:].copy_(piece[hi:])  #    needs it, and I keep it where it is
-            self.barrier(flat.numel(), piece.dtype)
-            self.check_same("all_reduce tensor sizes or dtypes")
-            for r in range(self.size):  # 2. my chunk, reduced over every rank's data
-                if r != self.rank:
-                    _combine(piece[lo:hi], self.slot(r, piece.dtype, piece.numel())[lo:hi], op)
-            mine[lo:hi].copy_(piece[lo:hi])  # where the others will read it
-            self.barrier()
-            for r, (a, b) in enumerate(blocks):  # 3. the other chunks, from their owners' slots
-                if r != self.rank:
-                    piece[a:b].copy_(self.slot(r, piece.dtype, piece.numel())[a:b])
-            # no barrier here: the next round writes the other set of slots
-
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """``out`` (size x numel, contiguous) gets every rank's ``flat``, in pieces."""
+        self.calls += 1
         per_slot = self.slots.shape[2] // flat.element_size()
         for start in range(0, max(1, flat.numel()), per_slot):
             self.rounds += 1
             piece = flat[start : start + per_slot]
             self.slot(self.rank, piece.dtype, piece.numel()).copy_(piece)
-            self.barrier(flat.numel(), piece.dtype)
+            self.barrier(flat.numel(), piece.dtype)  # no rank reads a slot before all are in
             self.check_same("all_gather tensor sizes or dtypes")
             for r in range(self.size):
                 out[r, start : start + len(piece)].copy_(self.slot(r, piece.dtype, len(piece)))
+            # no barrier here: the next piece writes the other set of slots
 
     def reduce_scatter(self, out: torch.Tensor, inputs: torch.Tensor, op) -> None:
         """``out`` (numel) = the reduction over ranks of ``inputs[self.rank]`` (size x numel)."""
+        self.calls += 1
         per_slot = self.slots.shape[2] // (inputs.element_size() * self.size)
         numel = inputs.shape[1]
         for start in range(0, max(1, numel), per_slot):
@@ -202,6 +339,42 @@ class SharedMemoryGroup:
             mine.copy_(rows[0][self.rank])
             for r in range(1, self.size):
                 _combine(mine, rows[r][self.rank], op)
+
+
+def _block(parts: list[tuple[torch.Tensor, ...]], k: int, only: int | None = None):
+    """(chunk, block k of it) for every chunk that has a block k (a chunk may have one less)."""
+    for c, blocks in enumerate(parts):
+        if k < len(blocks) and only in (None, c):
+            yield c, blocks[k]
+
+
+def _fit(room: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """The first ``len(part)`` elements of a cell's ``room`` (a chunk's last block is short)."""
+    return room if len(room) == len(part) else room[: len(part)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # Linux on x86-64
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(address: int, seen: int, seconds: float) -> None:
+    """Sleep while the 32-bit word at ``address`` (a counter's low half) still holds ``seen``,
+    for at most ``seconds``. The kernel compares and sleeps in one step, so a wake-up between
+    our last look and the sleep is never lost."""
+    timeout = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    low = ctypes.c_uint32(seen & 0xFFFFFFFF)
+    _LIBC.syscall(
+        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, low, ctypes.byref(timeout), None, 0
+    )
+
+
+def _futex_wake(address: int) -> None:
+    """Wake every process asleep on the word at ``address`` (a shared mapping: any process)."""
+    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 1 << 30, None, None, 0)
 
 
 def _boot_id() -> torch.Tensor:
