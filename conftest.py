@@ -2,8 +2,9 @@
 
 Order: under pytest-xdist (``TEST_WORKERS=2 make test``: two workers, a file or a notebook per
 worker at a time) the longest runs must start first, or one of them ends the run alone on one
-worker. So ``slow``-marked tests go first, then the notebooks, then the other test files, each
-group in its collection order; the Makefile then turns off xdist's own reordering
+worker. So ``slow``-marked tests go first, the longest first (``slow(seconds=N)``: its time alone
+on a quiet machine), then the notebooks, then the other test files, each group in its collection
+order; the Makefile then turns off xdist's own reordering
 (``--no-loadscope-reorder``). In one process (``make test``'s default) the order changes nothing.
 
 ``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
@@ -98,10 +99,11 @@ class BusyLoad:
 def pytest_collection_modifyitems(config, items):
     _run_each_chapter_once(config, items)
 
-    def group(item) -> int:
-        if item.get_closest_marker("slow"):
-            return 0
-        return 1 if item.path.suffix == ".ipynb" else 2
+    def group(item) -> tuple[int, float]:
+        slow = item.get_closest_marker("slow")
+        if slow is not None:  # the longest first: slow(seconds=...) is its time alone, quiet
+            return 0, -slow.kwargs.get("seconds", 60)
+        return (1 if item.path.suffix == ".ipynb" else 2), 0
 
     items.sort(key=group)  # stable: a notebook's cells keep their order
 

@@ -32,7 +32,7 @@ import pytest
 
 from dmlbook.launch import free_port
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.browser, pytest.mark.slow(seconds=37), pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
 CHAPTER = REPO / "chapters" / "02_parameter_server_and_allreduce.ipynb"

@@ -69,7 +69,7 @@ def _watch(runs, records: Path):
 
 
 @pytest.mark.netns
-@pytest.mark.slow
+@pytest.mark.slow(seconds=115)
 @pytest.mark.runs_chapters(*CHAPTERS)  # these runs are the session's nbval runs of both chapters
 @pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
 @pytest.mark.timeout(900)

@@ -40,7 +40,7 @@ from hub import (  # noqa: E402
     start_hub,
 )
 
-pytestmark = [pytest.mark.hub, pytest.mark.slow]
+pytestmark = [pytest.mark.hub, pytest.mark.slow(seconds=77)]
 
 CHAPTER = "09_hybrid_parallelism"
 ASSIGNMENT = "ch09"

@@ -106,7 +106,7 @@ def test_environment_yml_and_makefile_agree_with_the_lock():
 
 
 @pytest.mark.install
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 @pytest.mark.timeout(900)
 def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
     if shutil.which("git") is None or not (REPO / ".git").exists():
@@ -174,7 +174,7 @@ def makefile_torch_source(env: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.install
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.timeout(900)
 def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkout(tmp_path):
     """What a class server does: build the wheel, install it (not editable) over the lock into a
