@@ -60,11 +60,12 @@ LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ARGS) chapters/
 
-# The README's test command: every test and every chapter (nbval) with the given Python, in one
-# process by default; TEST_WORKERS=2 runs it on two pytest-xdist workers, a test file or a notebook
-# per worker at a time, the longest first (conftest.py): about 11 minutes against 16 here, but not
-# yet steady (README: Two commands), so CI keeps one process.
-TEST_WORKERS ?= 0
+# The README's test command: every test and every chapter (nbval) with the given Python, on
+# TEST_WORKERS pytest-xdist workers (3 by default: on 2 cores a third worker fills the time the
+# others wait on subprocesses, sleeps and shaped links), a test file or a notebook per worker at
+# a time, the slow tests first, the longest first (conftest.py). TEST_WORKERS=0 runs it in one
+# process (about 15 minutes here against 9-10).
+TEST_WORKERS ?= 3
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 run_tests = MPLBACKEND=Agg $(1) -m pytest tests chapters --nbval-lax --nbval-current-env $(XDIST) $(PYTEST_ARGS)
 
