@@ -1,11 +1,11 @@
 """The suite's order, and ``--busy N``.
 
-Order: under pytest-xdist (``TEST_WORKERS=2 make test``: two workers, a file or a notebook per
-worker at a time) the longest runs must start first, or one of them ends the run alone on one
-worker. So ``slow``-marked tests go first, the longest first (``slow(seconds=N)``: its time alone
-on a quiet machine), then the notebooks, then the other test files, each group in its collection
-order; the Makefile then turns off xdist's own reordering
-(``--no-loadscope-reorder``). In one process (``make test``'s default) the order changes nothing.
+Order: under pytest-xdist (``make test`` runs three workers, a file or a notebook per worker at
+a time) the longest runs must start first, or one of them ends the run alone on one worker. So
+``slow``-marked tests go first, the longest first (``slow(seconds=N)``: its time alone on a quiet
+machine), then the notebooks, then the other test files, each group in its collection order; the
+Makefile then turns off xdist's own reordering (``--no-loadscope-reorder``). In one process
+(``TEST_WORKERS=0``) the order changes nothing.
 
 ``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
 a shared classroom server is. N processes spin on the CPU from the session's start to its end;

@@ -68,8 +68,7 @@ class _Comm:
         """Start sending ``t`` to group rank ``peer``; :meth:`wait_all` finishes it."""
         if t.numel() == 0:
             return
-        if trace.is_recording():
-            self.record(t, peer, step, phase, chunk)
+        self.record(t, peer, step, phase, chunk)  # free unless a recording is open
         self.pending.append(dist.isend(t, self.global_rank(peer), self.group, step))
         self.in_flight.append(t)
 
@@ -114,16 +113,21 @@ def _check_op(op, dtype: torch.dtype) -> None:
         raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}")
 
 
-def _combine(acc: torch.Tensor, incoming: torch.Tensor, op) -> None:
-    """acc <- acc (op) incoming, in place. AVG sums here and divides once at the end."""
-    if op == ReduceOp.SUM or op == ReduceOp.AVG:
-        acc.add_(incoming)
-    elif op == ReduceOp.PRODUCT:
-        acc.mul_(incoming)
-    elif op == ReduceOp.MAX:
-        torch.maximum(acc, incoming, out=acc)
-    else:
-        torch.minimum(acc, incoming, out=acc)
+# Each ReduceOp as an elementwise torch function; AVG sums, and _finish_avg divides once at the end.
+_ELEMENTWISE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+}
+
+
+def _combine(
+    acc: torch.Tensor, incoming: torch.Tensor, op, out: torch.Tensor | None = None
+) -> None:
+    """out <- acc (op) incoming; with no ``out``, into ``acc`` in place."""
+    _ELEMENTWISE[op](acc, incoming, out=acc if out is None else out)
 
 
 def _finish_avg(t: torch.Tensor, op, size: int) -> None:

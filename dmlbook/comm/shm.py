@@ -88,14 +88,6 @@ _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks ne
 # next call's while a slower rank still reads this one's.
 _BARRIER, _COPIED, _REDUCED, _DONE = 0, 5, 6, 7
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# out <- a (op) b, elementwise; AVG sums here and divides once at the end (p2p._finish_avg)
-_COMBINE = {
-    ReduceOp.SUM: torch.add,
-    ReduceOp.AVG: torch.add,
-    ReduceOp.PRODUCT: torch.mul,
-    ReduceOp.MAX: torch.maximum,
-    ReduceOp.MIN: torch.minimum,
-}
 
 
 @dataclass
@@ -245,12 +237,11 @@ class SharedMemoryGroup:
         # parts[c][k]: block k of chunk c, a view of flat; chunk r is rank r's to reduce
         parts = [flat[lo:hi].split(block) for lo, hi in balanced_blocks(len(flat), self.size)]
         count = len(parts[0])  # blocks in a chunk (chunk 0 is the longest)
-        combine = _COMBINE[op]
         for step in range(count + 2):  # a pipeline of three stages, one block apart
             if step < count:
                 self._copy_in(step, parts, cells)
             if 0 <= step - 1 < count:
-                self._reduce(step - 1, parts, cells, combine)
+                self._reduce(step - 1, parts, cells, op)
             if 0 <= step - 2 < count:
                 self._copy_out(step - 2, parts, cells)
         self.blocks += count
@@ -267,16 +258,16 @@ class SharedMemoryGroup:
                 _fit(cell[c], part).copy_(part)
         self.publish(_COPIED, n + 1)
 
-    def _reduce(self, k: int, parts, cells, combine) -> None:
+    def _reduce(self, k: int, parts, cells, op) -> None:
         """2. Block k of my chunk, combined over every rank, into my cell and my tensor."""
         n = self.blocks + k
         self.wait(_COPIED, n + 1, "all_reduce")
         for _, mine in _block(parts, k, only=self.rank):
             out = _fit(cells[self.rank][k % CELLS][self.rank], mine)
             peers = [cells[q][k % CELLS][self.rank] for q in range(self.size) if q != self.rank]
-            combine(mine, _fit(peers[0], mine), out=out)  # mine first, then in rank order
+            _combine(mine, _fit(peers[0], mine), op, out=out)  # mine first, then in rank order
             for theirs in peers[1:]:
-                combine(out, _fit(theirs, mine), out=out)
+                _combine(out, _fit(theirs, mine), op)
             mine.copy_(out)
         self.publish(_REDUCED, n + 1)
 
