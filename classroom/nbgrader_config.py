@@ -26,3 +26,8 @@ c.Exchange.root = os.environ.get("DMLBOOK_EXCHANGE", "/srv/nbgrader/exchange")
 # 15-25 on 2 cores): 18-109 s, and one of chapter 4's cells passed nbval's 120 s limit once
 # (README, "For instructors"). 300 s fits those with margin; a cell that hangs still fails.
 c.Execute.timeout = 300
+# After a cell's reply, how long to wait for the rest of its output. nbgrader fails the learner's
+# notebook when that wait runs out (raise_on_iopub_timeout), and the default, 4 s, is short for a
+# kernel on a server that thirty learners' kernels keep busy; the wait ends as soon as the output
+# is in, so a longer limit costs nothing where the machine is quiet.
+c.Execute.iopub_timeout = 60
