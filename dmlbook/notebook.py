@@ -6,7 +6,8 @@
 * :func:`median_by`: the median item of repeated measurements by a key (chapters 1 and 6 keep the
   median round or step whole, so its parts stay consistent);
 * :func:`interleaved_medians`: the median time of several callables, timed in interleaved rounds
-  so that a busy moment on a shared machine hits all of them alike (chapter 8).
+  so that a busy moment on a shared machine hits all of them alike (chapter 8), on wall time
+  or, for one thread's work, on that thread's CPU time (chapter 6).
 
 Algorithms live in their own modules; this one only keeps the notebooks short.
 """
@@ -52,9 +53,17 @@ def median_by(items: Sequence[T], key: Callable[[T], float]) -> T:
     return sorted(items, key=key)[len(items) // 2]
 
 
-def interleaved_medians(fns: Mapping[str, Callable[[], object]], rounds: int = 5) -> dict:
+def interleaved_medians(
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     """Each callable's median time in seconds over ``rounds`` rounds; each round calls every one
-    once, after one warm-up call each, so that a slow moment hits them all alike."""
+    once, after one warm-up call each, so that a slow moment hits them all alike.
+
+    ``clock`` is wall time by default. Work done on the calling thread alone (one intra-op
+    thread) can be timed with ``time.thread_time``: that thread's CPU time, which leaves out
+    the moments it waited for a core while other work on the machine ran (chapter 6)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -62,7 +71,7 @@ def interleaved_medians(fns: Mapping[str, Callable[[], object]], rounds: int = 5
         fn()  # warm-up: first calls allocate
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}

@@ -21,3 +21,12 @@ def test_interleaved_medians_calls_each_once_per_round_after_a_warm_up():
     assert set(medians) == {"a", "b"}
     with pytest.raises(ValueError, match="rounds"):
         interleaved_medians({"a": lambda: None}, rounds=0)
+
+
+def test_interleaved_medians_on_the_threads_cpu_clock_leave_out_waiting():
+    """A callable that sleeps takes wall time but almost none of its thread's CPU time."""
+    import time
+
+    sleep = {"sleep": lambda: time.sleep(0.05)}
+    assert interleaved_medians(sleep, rounds=2)["sleep"] >= 0.05
+    assert interleaved_medians(sleep, rounds=2, clock=time.thread_time)["sleep"] < 0.01
