@@ -382,6 +382,8 @@ class ChapterRun:
     cells: list[tuple[int, float]] = field(default_factory=list)  # (cell index, seconds) run
     code_cells: int = 0  # the notebook's code cells that have code
     errors: list[str] = field(default_factory=list)
+    # kernels that never answered: why, for each (the run then started another, once)
+    kernel_retries: list[str] = field(default_factory=list)
 
 
 def _message(session: str, msg_type: str, content: dict) -> dict:
@@ -402,6 +404,41 @@ def _message(session: str, msg_type: str, content: dict) -> dict:
     }
 
 
+def start_kernel(hub: Hub, name: str, path: str, timeout: float):
+    """A kernel for the notebook at ``path`` through the learner's Sessions API, and its
+    websocket, once the kernel has answered a ``kernel_info_request``: (websocket, session)."""
+    r = hub.server(
+        name,
+        "POST",
+        "sessions",
+        json={"path": path, "name": Path(path).name, "type": "notebook",
+              "kernel": {"name": "python3"}},
+    )  # fmt: skip
+    r.raise_for_status()
+    model, session = r.json(), uuid.uuid4().hex
+    ws_url = hub.url.replace("http", "ws", 1)
+    try:
+        ws = websocket.create_connection(
+            f"{ws_url}/user/{name}/api/kernels/{model['kernel']['id']}/channels"
+            f"?session_id={session}",
+            header=[f"Authorization: token {hub.tokens[name]}"],
+            timeout=timeout,
+        )
+        request = _message(session, "kernel_info_request", {})
+        ws.send(json.dumps(request))
+        while True:
+            frame = ws.recv()
+            if isinstance(frame, bytes):
+                continue
+            msg = json.loads(frame)
+            if msg.get("parent_header", {}).get("msg_id") == request["header"]["msg_id"]:
+                if msg["msg_type"] == "kernel_info_reply":
+                    return ws, session
+    except (websocket.WebSocketException, OSError):
+        hub.server(name, "DELETE", f"sessions/{model['id']}")  # its kernel, if any is left
+        raise
+
+
 def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> ChapterRun:
     """Run every code cell of the notebook at ``path`` (in the learner's home) in a kernel of the
     learner's own server, through the hub: the Contents API reads it, the Sessions API starts the
@@ -413,22 +450,15 @@ def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> C
     result.code_cells = sum(
         c.cell_type == "code" and bool(c.source.strip()) for c in notebook.cells
     )
-    r = hub.server(
-        name,
-        "POST",
-        "sessions",
-        json={"path": path, "name": Path(path).name, "type": "notebook",
-              "kernel": {"name": "python3"}},
-    )  # fmt: skip
-    r.raise_for_status()
-    kernel = r.json()["kernel"]["id"]
-    session = uuid.uuid4().hex
-    ws_url = hub.url.replace("http", "ws", 1)
-    ws = websocket.create_connection(
-        f"{ws_url}/user/{name}/api/kernels/{kernel}/channels?session_id={session}",
-        header=[f"Authorization: token {hub.tokens[name]}"],
-        timeout=cell_timeout,
-    )
+    try:
+        ws, session = start_kernel(hub, name, path, cell_timeout)
+    except (websocket.WebSocketException, OSError) as e:
+        # A kernel that never answers: Jupyter hands a new kernel free TCP ports and the kernel
+        # binds them later, so on a busy machine another process can take one first ("Address
+        # already in use", and the server's restarts can meet the same port). A learner opens
+        # the notebook again: so does the run, once.
+        result.kernel_retries.append(f"{type(e).__name__}: {e}")
+        ws, session = start_kernel(hub, name, path, cell_timeout)
     started = time.monotonic()
     try:
         for index, cell in enumerate(notebook.cells):

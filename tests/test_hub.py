@@ -6,7 +6,8 @@ One test (marker ``hub``), in this order, because each step needs the one before
    through the REST API (a wrong password is refused); their servers start, and the book is in
    each learner's home (``learner_server.py`` ran ``python -m dmlbook.book copy``);
 2. the four learners run chapter 9 at the same moment, each in a kernel of their own server,
-   through the hub's proxy, and every cell runs without error;
+   through the hub's proxy, and every cell runs without error (a kernel that never answers, the
+   free-port race of Jupyter's kernels on a busy machine, is started again once, and shown);
 3. the instructor makes chapter 9 an assignment with nbgrader's own commands and releases it; the
    learners fetch it and submit: two blank, one solved, one with a planted wrong answer; the
    instructor collects and autogrades, and the gradebook holds 0, 0, full and partial marks;
@@ -230,6 +231,9 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
               + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())
               + "; chapter per learner: "
               + ", ".join(f"{r.learner} {r.seconds:.0f}" for r in runs))  # fmt: skip
+        retried = {r.learner: r.kernel_retries for r in runs if r.kernel_retries}
+        if retried:  # shown: a kernel that never answered was started again (tests/hub.py)
+            print(f"kernels started again: {retried}")
 
         # -- 4. shut down: nothing of the run is left
         hub.shutdown()
@@ -240,9 +244,11 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
             time.sleep(0.2)
         assert not left, f"processes left after the hub's shutdown: {left}"
         kinds = " ".join(hub.sampler.seen.values())
+        # (learner_server.py is not among them: it copies the book, which step 1 checks, and
+        # becomes jupyterhub.singleuser in the same process, often before a 0.2 s sample sees it)
         for kind in (
             "configurable-http-proxy",
-            "learner_server",
+            "jupyterhub.singleuser",
             "ipykernel",
             "dmlbook.runtime.zygote",
         ):
