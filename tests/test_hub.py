@@ -49,7 +49,8 @@ LEARNERS = ["blank1", "blank2", "solved", "wrong"]
 
 
 # A kernel that could not start: Jupyter's launcher picks free TCP ports, frees them and hands them
-# to the kernel, and another process on a busy machine can bind one in between (jupyter_client#276).
+# to the kernel, and another process on a busy machine can bind one in between (jupyter_client#276);
+# or the kernel took longer than nbclient's 60 s to answer.
 KERNEL_START_FAILED = re.compile(
     r"Kernel died before replying to kernel_info|Kernel didn't respond in \d+ seconds"
     r"|Address already in use"

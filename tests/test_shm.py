@@ -29,6 +29,9 @@ CASES = [
     (1000, torch.bfloat16, ReduceOp.SUM),
     (0, torch.float32, ReduceOp.SUM),
 ]
+# The cases that also go through 64-byte cells (below); the 4 MiB one would be 10^5 blocks of
+# Python per rank there, and streams through the default cells
+SMALL_CELL_CASES = [i for i, (numel, _, _) in enumerate(CASES) if numel <= 1001]
 
 
 def _input(numel: int, dtype, rank: int, salt: int = 0) -> torch.Tensor:
@@ -66,11 +69,9 @@ def _every_collective():
         out[f"all_reduce {i}"] = (ours, theirs, via_collectives.reshape(-1))
     # many blocks: with cells of 64 bytes, a block holds 2 to 8 elements, so a chunk of 1001
     # goes around the ring of cells dozens of times, in calls that follow each other
-    # (the 4 MiB case would be 10^5 blocks of Python here; it streams through the default cells)
     small = shm.SharedMemoryGroup.create(cell_bytes=64, slot_bytes=256)
-    for i, (numel, dtype, op) in enumerate(CASES):
-        if numel > 1001:
-            continue
+    for i in SMALL_CELL_CASES:
+        numel, dtype, op = CASES[i]
         blocks = _input(numel, dtype, rank)
         small.all_reduce(blocks, op)
         if op == ReduceOp.AVG:
@@ -118,7 +119,7 @@ def test_equal_to_gloo_and_to_one_process(world_size):
             torch.testing.assert_close(ours, expected, **tolerance, msg=f"rank {rank} case {i}")
             torch.testing.assert_close(ours, theirs, **tolerance)
             torch.testing.assert_close(via_collectives, ours, atol=0, rtol=0)
-            if numel <= 1001:  # (the small cells above)
+            if i in SMALL_CELL_CASES:
                 torch.testing.assert_close(out[f"blocks {i}"], ours, atol=0, rtol=0)
         torch.testing.assert_close(*out["pieces all_gather"], atol=0, rtol=0)
         torch.testing.assert_close(*out["pieces reduce_scatter"], atol=0, rtol=0)
