@@ -35,13 +35,15 @@ HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 # --compile-bytecode writes every package's .pyc once, at install: uv does not by default, and
 # where PYTHONDONTWRITEBYTECODE is set (as on CI here) every process would compile torch's Python
 # again on import (3.1 s against 1.9 s for `import torch` here), every kernel and rank alike.
+# BYTECODE= (empty) leaves it to the first import (the newcomer test does, tests/test_install.py).
+BYTECODE ?= --compile-bytecode
 $(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
 
 $(STAMP): pyproject.toml $(LOCK) | $(UV)
-	$(UV) pip sync --python $(PY) --quiet --compile-bytecode $(TORCH_SOURCE) $(LOCK)
-	$(if $(TORCH),$(UV) pip install --python $(PY) --quiet --compile-bytecode --reinstall-package torch "$(TORCH)")
+	$(UV) pip sync --python $(PY) --quiet $(BYTECODE) $(TORCH_SOURCE) $(LOCK)
+	$(if $(TORCH),$(UV) pip install --python $(PY) --quiet $(BYTECODE) --reinstall-package torch "$(TORCH)")
 	$(UV) pip install --python $(PY) --quiet --no-deps -e .
 	touch $(STAMP)
 

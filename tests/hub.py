@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -484,8 +485,11 @@ def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> C
             result.cells.append((index, time.monotonic() - t0))
             content = msg["content"]
             if content["status"] != "ok":
+                # the traceback's last lines, as nbval would show them (the kernel colours them)
+                trace = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(content.get("traceback", [])))
                 result.errors.append(
-                    f"cell {index}: {content.get('ename')}: {content.get('evalue')}"
+                    f"cell {index}: {content.get('ename')}: {content.get('evalue')}\n"
+                    + "\n".join(trace.splitlines()[-12:])
                 )
                 break
     finally:

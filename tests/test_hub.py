@@ -8,6 +8,7 @@ One test (marker ``hub``), in this order, because each step needs the one before
 2. the four learners run chapter 9 at the same moment, each in a kernel of their own server,
    through the hub's proxy, and every cell runs without error (a kernel that never answers, the
    free-port race of Jupyter's kernels on a busy machine, is started again once, and shown);
+   these four runs are the session's nbval runs of chapter 9 (marker ``runs_chapters``);
 3. the instructor makes chapter 9 an assignment with nbgrader's own commands and releases it; the
    learners fetch it and submit: two blank, one solved, one with a planted wrong answer; the
    instructor collects and autogrades, and the gradebook holds 0, 0, full and partial marks;
@@ -41,9 +42,20 @@ from hub import (  # noqa: E402
     start_hub,
 )
 
-pytestmark = [pytest.mark.hub, pytest.mark.slow(seconds=77)]
-
 CHAPTER = "09_hybrid_parallelism"
+
+# Skipped at collection, not inside the test: where it runs, the four learners' runs are the
+# session's nbval runs of chapter 9 (every cell, none may raise), and conftest.py leaves the
+# chapter's own cells out only for a test that is not skipped.
+pytestmark = [
+    pytest.mark.hub,
+    pytest.mark.slow(seconds=77),
+    pytest.mark.skipif(
+        shutil.which("node") is None,
+        reason="needs node for JupyterHub's proxy (configurable-http-proxy); install nodejs",
+    ),
+    pytest.mark.runs_chapters(f"{CHAPTER}.ipynb"),
+]
 ASSIGNMENT = "ch09"
 LEARNERS = ["blank1", "blank2", "solved", "wrong"]
 
@@ -138,8 +150,6 @@ def answer(notebook, solution, plant_wrong: bool):
 
 @pytest.mark.timeout(1500)  # 98 s here at load average 4-8, 4-9 minutes at 15-25
 def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
-    if shutil.which("node") is None:
-        pytest.skip("needs node for JupyterHub's proxy (configurable-http-proxy); install nodejs")
     assert PROXY.exists(), "JupyterHub's proxy is not installed: run `make classroom-proxy`"
     started = time.monotonic()
     password = secrets.token_hex(8)
