@@ -17,10 +17,43 @@ def test_one_bench_writes_its_records_whole(tmp_path):
     bench.main(["allreduce", "--sizes", "4KiB", "--repeats", "1", "--json", str(path)])
     records = json.loads(path.read_text())
     names = {r["algorithm"] for r in records}
-    assert {"ring", "recursive_doubling", "tree", "naive", "auto", "shm", "memcpy"} <= names
+    assert {"ring", "recursive_doubling", "tree", "naive", "auto", "bare ring", "shm"} <= names
+    assert "memcpy" in names
     assert all("bench" not in r and r["bytes"] == 4096 and r["median_s"] > 0 for r in records)
     assert list(tmp_path.iterdir()) == [path]  # no partial file left beside it
     assert allreduce.parse_size("4KiB") == 4096
+
+
+def _bare_ring_against_torch(numel: int) -> dict:
+    import torch.distributed as dist
+
+    from dmlbook.bench.allreduce import bare_ring
+    from dmlbook.comm.groups import balanced_blocks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    ours, theirs, scratch = mine.clone(), mine.clone(), torch.empty_like(mine)
+    blocks = balanced_blocks(numel, world)
+    bare_ring([ours[a:b] for a, b in blocks], [scratch[a:b] for a, b in blocks])
+    dist.all_reduce(theirs)
+    one_process = sum(
+        torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+        for r in range(world)
+    )
+    return {
+        "torch": (ours - theirs).abs().max().item(),
+        "one process": (ours - one_process).abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_bare_ring_is_an_all_reduce(world):
+    """The bench's reference line must be a real all-reduce, or its time says nothing: equal to
+    torch's and to one process's sum, on a length no world size divides."""
+    from dmlbook.launch import run
+
+    for gaps in run(_bare_ring_against_torch, world, 1001):
+        assert gaps["torch"] < 1e-12 and gaps["one process"] < 1e-12, gaps
 
 
 def test_all_writes_every_bench_tagged(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dmlbook.bench.common import _write_json
 from dmlbook.comm import collectives
+from dmlbook.comm.groups import balanced_blocks
 from dmlbook.launch import device, run
 
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6}
@@ -40,9 +41,37 @@ def repeats_for(nbytes: int, repeats: int) -> int:
     return repeats * SMALL_FACTOR if nbytes < MANY_REPEATS_BELOW else repeats
 
 
-def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -> list[dict]:
+def bare_ring(chunks: list[torch.Tensor], scratch: list[torch.Tensor]) -> None:
+    """The ring all-reduce's messages and nothing else: ``torch.distributed``'s isend and irecv
+    on views made in advance (``chunks`` of the tensor, ``scratch`` of a buffer alike, one per
+    rank), one message per chunk and step, no slices, no checks, no trace. What a ring written
+    in Python over point-to-point pays at the least; the bench shows it beside ours.
+
+    Reduce-scatter, step s: send chunk (r - s - 1) to the right, add chunk (r - s - 2) from the
+    left; all-gather, step s: send chunk (r - s), receive chunk (r - s - 1) in place."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % p, (r - 1) % p
+    sends = []
+    for s in range(p - 1):
+        into = (r - s - 2) % p
+        arriving = dist.irecv(scratch[into], left, tag=s)
+        sends.append(dist.isend(chunks[(r - s - 1) % p], right, tag=s))
+        arriving.wait()
+        chunks[into].add_(scratch[into])
+    for s in range(p - 1):
+        arriving = dist.irecv(chunks[(r - s - 1) % p], left, tag=p - 1 + s)
+        sends.append(dist.isend(chunks[(r - s) % p], right, tag=p - 1 + s))
+        arriving.wait()
+    for work in sends:
+        work.wait()
+
+
+def time_all_reduces(
+    sizes: list[int], repeats: int, warmup: int, check: bool, bare: bool = False
+) -> list[dict]:
     """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
     repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's.
+    ``bare`` adds :func:`bare_ring` ("bare ring"), the ring's messages alone.
 
     The order of the contenders turns by one every repeat, so that none always runs first (or
     always after the same neighbour). Below :data:`MANY_REPEATS_BELOW` a run costs little and
@@ -51,11 +80,15 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
     # On the CPU, chapter 4's shared-memory transport, and one core's copy of the same bytes:
     # what memory alone allows, a ceiling for any transport between ranks on one host.
     extra = ["shm", "memcpy"] if dev.type == "cpu" else []
-    contenders = [*collectives.ALGORITHMS, "auto", *extra, "torch"]
+    contenders = [*collectives.ALGORITHMS, "auto", *(["bare ring"] if bare else []), *extra]
+    contenders.append("torch")
     records = []
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
         copy = torch.empty_like(tensor)
+        blocks = balanced_blocks(tensor.numel(), dist.get_world_size())
+        chunks = [tensor[a:b] for a, b in blocks]
+        scratch = [copy[a:b] for a, b in blocks]
         times = {name: [] for name in contenders}
         for i in range(warmup + repeats_for(nbytes, repeats)):
             turn = i % len(contenders)
@@ -68,6 +101,8 @@ def time_all_reduces(sizes: list[int], repeats: int, warmup: int, check: bool) -
                     dist.all_reduce(tensor)
                 elif name == "memcpy":
                     copy.copy_(tensor)
+                elif name == "bare ring":
+                    bare_ring(chunks, scratch)
                 else:
                     collectives.all_reduce(tensor, algorithm=name, check=check)
                 if dev.type == "cuda":
@@ -93,13 +128,14 @@ def bench_allreduce(
 
     ``busbw_GBps`` follows nccl-tests: bytes x 2(p-1)/p / time, the rate each rank's link moved.
     The shape check (in the ring's first message; a message of its own for the others) is off
-    unless ``check``; torch's all_reduce has none. On
-    the CPU the rows include ``shm`` (:mod:`dmlbook.comm.shm`) and ``memcpy``, one core copying
-    the same bytes (its "busbw" is simply bytes / time).
+    unless ``check``; torch's all_reduce has none. The rows include ``bare ring``
+    (:func:`bare_ring`: the ring's messages with nothing around them) and, on the CPU, ``shm``
+    (:mod:`dmlbook.comm.shm`) and ``memcpy``, one core copying the same bytes (its "busbw" is
+    simply bytes / time).
     """
-    measured = run(time_all_reduces, world_size, list(sizes), repeats, warmup, check, timeout=600)[
-        0
-    ]
+    measured = run(
+        time_all_reduces, world_size, list(sizes), repeats, warmup, check, True, timeout=600
+    )[0]
     records = []
     print(
         f"all_reduce, float32, world size {world_size}, median of {repeats} runs "
