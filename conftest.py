@@ -109,10 +109,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _run_each_chapter_once(config, items) -> None:
-    """A test marked ``runs_chapters(name, ...)`` runs those notebooks under nbval itself (the
-    concurrency test runs chapters 4 and 13 twice at the same moment). When it is selected and
-    not skipped, the notebooks' own cells are deselected: each chapter still runs under nbval,
-    every cell checked, but not once more on its own. Run alone, a notebook runs as always."""
+    """A test marked ``runs_chapters(name, ...)`` runs every cell of those notebooks itself and
+    fails on any error, as nbval does: the concurrency test runs chapters 4 and 13 (twice, at
+    the same moment), the browser test chapter 2, the hub test chapter 9 (four learners) and
+    the wheel test chapter 10. When it is selected and not skipped (a skip must be decided at
+    collection, by a ``skipif`` mark, to count here), the notebooks' own cells are deselected:
+    each chapter still runs, every cell checked, but not once more on its own. Run alone, a
+    notebook runs as always."""
     covered = set()
     for item in items:
         mark = item.get_closest_marker("runs_chapters")
