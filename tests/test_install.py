@@ -195,7 +195,6 @@ UV = Path(sys.executable).parent / "uv"  # make install puts the pinned uv into 
 def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkout(tmp_path):
     """What a class server does: build the wheel, install it (not editable) over the lock into a
     fresh venv, copy the book into an empty folder, and run chapter 10 there under nbval."""
-    uv = UV
     # No --compile-bytecode, unlike `make install`: compiling every module of the venv (torch's
     # thousands) cost 23 CPU-seconds of a 2-core machine, where this venv's few processes import
     # a fraction of them. Python writes those .pyc files on first import instead, so the variable
@@ -217,7 +216,7 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     # 1. The wheel, built as a release is (the sdist, then the wheel from it), with the build
     #    backend pinned by the lock; it carries the chapters, data and scripts as package files.
     dist = tmp_path / "dist"
-    step("build", [uv, "build", "--quiet", "--out-dir", dist,
+    step("build", [UV, "build", "--quiet", "--out-dir", dist,
                    "--build-constraints", REPO / "requirements.lock", REPO])  # fmt: skip
     (wheel,) = dist.glob("dmlbook-*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -235,10 +234,10 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
     torch_source = makefile_torch_source(env)
-    step("venv", [uv, "venv", "--quiet", "--python", sys.executable, venv])
-    step("sync", [uv, "pip", "sync", "--python", python, "--quiet",
+    step("venv", [UV, "venv", "--quiet", "--python", sys.executable, venv])
+    step("sync", [UV, "pip", "sync", "--python", python, "--quiet",
                   *torch_source, REPO / "requirements.lock"])  # fmt: skip
-    step("wheel", [uv, "pip", "install", "--python", python, "--quiet",
+    step("wheel", [UV, "pip", "install", "--python", python, "--quiet",
                    *torch_source, wheel])  # fmt: skip
 
     # 3. The learner's copy, in an empty folder outside the repository.

@@ -86,9 +86,10 @@ def time_all_reduces(
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
         copy = torch.empty_like(tensor)
-        blocks = balanced_blocks(tensor.numel(), dist.get_world_size())
-        chunks = [tensor[a:b] for a, b in blocks]
-        scratch = [copy[a:b] for a, b in blocks]
+        if bare:  # the bare ring's views, made once per size, outside the timings
+            blocks = balanced_blocks(tensor.numel(), dist.get_world_size())
+            chunks = [tensor[a:b] for a, b in blocks]
+            scratch = [copy[a:b] for a, b in blocks]
         times = {name: [] for name in contenders}
         for i in range(warmup + repeats_for(nbytes, repeats)):
             turn = i % len(contenders)
