@@ -292,8 +292,12 @@ def test_measured_point_to_point_link_is_physical():
     times = [r["seconds"] for r in records]
     assert all(t > 0 for t in times)
     assert all(r["round_trip_s"] == pytest.approx(2 * r["seconds"]) for r in records)
-    # sizes far enough apart that scheduling noise cannot swap them
-    assert times[-1] > max(times[:-1]) and times[2] > times[0]
+    fastest = [r["fastest_round_trip_s"] for r in records]
+    assert all(0 < f <= r["round_trip_s"] for f, r in zip(fastest, records, strict=True))
+    # Order by size on the fastest round trips: scheduling noise only lengthens a round trip, so
+    # it can swap medians on a busy machine (CI saw a 1 KiB median of 3.6 ms above 4 MiB's 3.4)
+    # but not floors that are 4,000x apart in bytes.
+    assert fastest[-1] > max(fastest[:-1]) and fastest[2] > fastest[0]
     link = cm.fit_point_to_point(records)
     # alpha may fit to 0 when a loaded machine's scheduling noise swamps small messages
     assert link.alpha >= 0 and link.beta > 0

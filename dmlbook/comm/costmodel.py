@@ -352,8 +352,10 @@ def ping_pong(
     which sends it straight back; the one-way time is half the median round trip over ``repeats``
     (5 x ``repeats`` under 1 MiB, where round trips are cheap and noisy). Ranks >= 2 only join the
     barriers. Rank 0 returns one record per size, ``{"algorithm": "p2p", "world_size": 2,
-    "bytes", "seconds" (one way), "round_trip_s"}``, ready for :func:`fit_point_to_point` or
-    :func:`fit`; the other ranks return ``[]``. The default sizes (1 KiB to 16 MiB) take a few
+    "bytes", "seconds" (one way), "round_trip_s", "fastest_round_trip_s"}``, ready for
+    :func:`fit_point_to_point` or :func:`fit`; the other ranks return ``[]``. The median is the
+    typical cost; the fastest round trip is the link's floor, since a busy machine's scheduling
+    only ever lengthens a round trip. The default sizes (1 KiB to 16 MiB) take a few
     seconds, mostly starting the ranks.
     """
     import torch
@@ -400,6 +402,7 @@ def ping_pong(
                     bytes=nbytes,
                     seconds=round_trip / 2,
                     round_trip_s=round_trip,
+                    fastest_round_trip_s=min(round_trips),
                 )
             )
     dist.barrier()
