@@ -36,10 +36,14 @@ class _Comm:
     within the machine's noise, so the ring keeps the primitive it teaches."""
 
     def __init__(self, group, collective: str) -> None:
+        world = dist.group.WORLD
         self.group = group
-        self.pg = group if group is not None else dist.group.WORLD  # for ShapeCheck's plumbing
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.pg = world if group is None else group  # for ShapeCheck's plumbing
+        self.world = world is not None and self.pg is world  # group ranks are global ranks
+        if self.world:  # the process group's own answers: no lookups on every small collective
+            self.rank, self.size = world.rank(), world.size()
+        else:
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.collective = collective
         self.pending: list[dist.Work] = []
         self.in_flight: list[torch.Tensor] = []  # tensors made just to be sent, kept until sent
@@ -49,12 +53,12 @@ class _Comm:
         return self.rank >= 0
 
     def global_rank(self, group_rank: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
+        if self.world:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
     def group_rank(self, global_rank: int, name: str) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
+        if self.world:
             ranks = range(self.size)
             if global_rank not in ranks:
                 raise ValueError(f"{name}={global_rank} is not a rank of a world of {self.size}")

@@ -26,7 +26,10 @@ peer at once, one message's latency.
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+import math
+import struct
+
 import torch
 
 from dmlbook.comm.groups import balanced_blocks, ring_slices
@@ -43,15 +46,17 @@ _WORDS = 5 + MAX_DIMS
 # ring's first slice to its right neighbour, or recursive doubling's whole tensor to its partner
 # (rank ^ 1), each behind the header (INLINE) or in messages of its own (APART).
 NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART = range(5)
-HEADER_BYTES = 8 * _WORDS
+_FORMAT = f"={_WORDS}q"  # the header's words, as native 8-byte integers
+HEADER_BYTES = struct.calcsize(_FORMAT)
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 class ShapeCheck:
     """Every rank's header, exchanged in the first message of one collective call.
 
-    Headers are handled as numpy rows: a torch operation on a tiny tensor costs microseconds,
-    and this sits on the path of every small collective.
+    Headers are lists of Python integers, packed into the message and unpacked from it with
+    :mod:`struct`: a torch or numpy operation on a tiny array costs a microsecond or more, and
+    this sits on the path of every small collective.
     """
 
     def __init__(self, comm: _Comm, tensor: torch.Tensor, what: str, wire=None) -> None:
@@ -59,9 +64,9 @@ class ShapeCheck:
             raise ValueError(f"{comm.collective} supports tensors of up to {MAX_DIMS} dimensions")
         self.comm, self.what, self.device = comm, what, tensor.device
         wire = wire or tensor.dtype
-        self.rows = np.zeros((comm.size, _WORDS), dtype=np.int64)  # row r: rank r's header
-        mine = (tensor.dim(), _CODE[tensor.dtype], _CODE[wire], tensor.numel(), NONE)
-        self.rows[comm.rank, : 5 + tensor.dim()] = (*mine, *tensor.shape)
+        # row r: rank r's header (peers' rows are filled in by verify)
+        self.rows = [[0] * _WORDS for _ in range(comm.size)]
+        self.rows[comm.rank] = list(_header(tuple(tensor.shape), tensor.dtype, wire))
         self.inbox: list[tuple[int, torch.Tensor, object]] = []
         # Only gloo takes a message shorter than the buffer posted for it (NCCL needs equal
         # sizes): on other devices the header always travels alone, in a buffer of its size.
@@ -86,13 +91,15 @@ class ShapeCheck:
         self, peer: int, data: torch.Tensor | None = None, chunk=None, step=0, phase=""
     ) -> None:
         """This rank's header to ``peer``, with ``data`` (a ring's first slice) behind it."""
-        header = self.rows[self.comm.rank].view(np.uint8)
+        header = self.rows[self.comm.rank]
         if data is None:
-            message = torch.from_numpy(header.copy()).to(self.device)
+            message = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            struct.pack_into(_FORMAT, message.numpy(), 0, *header)
+            message = message.to(self.device)
         else:  # one buffer on the host: [header | slice]
             raw = data.reshape(-1).view(torch.uint8)
             message = _buffer(("out", peer), HEADER_BYTES + raw.numel(), "cpu")
-            message.numpy()[:HEADER_BYTES] = header
+            struct.pack_into(_FORMAT, message.numpy(), 0, *header)
             message[HEADER_BYTES:].copy_(raw)
             self.comm.record(data, peer, step, phase, chunk)
         self.comm.pending.append(self.pg.send([message], peer, TAG))
@@ -112,7 +119,7 @@ class ShapeCheck:
     def _start(self, inline, apart, target, data, chunk, step, phase) -> None:
         if not self.can_inline:
             data = None
-        self.rows[self.comm.rank, 4] = apart if data is None else inline
+        self.rows[self.comm.rank][4] = apart if data is None else inline
         for peer in range(self.comm.size):
             if peer != self.comm.rank:
                 self.send(peer, data if peer == target else None, chunk, step, phase)
@@ -132,13 +139,13 @@ class ShapeCheck:
         inline = None
         for peer, buf, work in self.inbox:
             work.wait()
-            self.rows[peer] = buf[:HEADER_BYTES].cpu().numpy().view(np.int64)
-            if self._target(peer) == comm.rank and self.rows[peer, 4] in (RING_INLINE, PAIR_INLINE):
+            header = buf[:HEADER_BYTES].cpu().numpy()  # .cpu(): the header is read on the host
+            self.rows[peer] = list(struct.unpack(_FORMAT, header))
+            if self._target(peer) == comm.rank and self.rows[peer][4] in (RING_INLINE, PAIR_INLINE):
                 inline = buf[HEADER_BYTES:]
-        # dims, dtype, wire, numel and shape agree (column 4 says only how a rank started)
-        same = (self.rows[:, :4] == self.rows[0, :4]).all() and (
-            self.rows[:, 5:] == self.rows[0, 5:]
-        ).all()
+        # dims, dtype, wire, numel and shape agree (word 4 says only how a rank started)
+        first = self.rows[0]
+        same = all(row[:4] == first[:4] and row[5:] == first[5:] for row in self.rows)
         if not same:
             for peer in range(comm.size):
                 if peer != comm.rank and self._target(peer) == comm.rank:
@@ -149,7 +156,7 @@ class ShapeCheck:
 
     def _target(self, peer: int) -> int | None:
         """The rank ``peer`` sent data to before the check (None: nobody)."""
-        start = self.rows[peer, 4]
+        start = self.rows[peer][4]
         if start in (RING_INLINE, RING_APART):
             return (peer + 1) % self.comm.size
         if start in (PAIR_INLINE, PAIR_APART):
@@ -158,8 +165,8 @@ class ShapeCheck:
 
     def __str__(self) -> str:
         def one(r: int) -> str:
-            dims, dtype, wire = (int(x) for x in self.rows[r, :3])
-            shape = tuple(int(x) for x in self.rows[r, 5 : 5 + dims])
+            dims, dtype, wire = self.rows[r][:3]
+            shape = tuple(self.rows[r][5 : 5 + dims])
             extra = f" (wire {_DTYPES[wire]})" if wire != dtype else ""
             return f"rank {self.comm.global_rank(r)}: {shape} {_DTYPES[dtype]}{extra}"
 
@@ -171,7 +178,7 @@ class ShapeCheck:
         """Receive what ``peer`` sent this rank before it knew of the mismatch, sized from its
         header: the rest of a ring's first chunk (the rule :func:`ring_first_slices` applies on
         the sender), or a partner's whole tensor."""
-        dims, dtype, wire, numel, start = (int(x) for x in self.rows[peer, :5])
+        dims, dtype, wire, numel, start = self.rows[peer][:5]
         if start == PAIR_APART:
             self.comm.recv(torch.empty(numel, dtype=_DTYPES[wire], device=self.device), peer, 1)
         elif start in (RING_INLINE, RING_APART):
@@ -179,6 +186,14 @@ class ShapeCheck:
             for a, b in sizes[1 if start == RING_INLINE else 0 :]:  # the inline one has come
                 junk = torch.empty(b - a, dtype=_DTYPES[wire], device=self.device)
                 self.comm.recv(junk, peer, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _header(shape: tuple[int, ...], dtype: torch.dtype, wire: torch.dtype) -> tuple[int, ...]:
+    """A rank's header for a tensor of ``shape`` and ``dtype`` sent as ``wire`` (word 4, how the
+    rank started, is NONE here), padded to the fixed length of every header."""
+    words = (len(shape), _CODE[dtype], _CODE[wire], math.prod(shape), NONE, *shape)
+    return words + (0,) * (_WORDS - len(words))
 
 
 def ring_first_slices(numel: int, size: int, rank: int, element_size: int):
