@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.bench.common import _write_json
-from dmlbook.comm import collectives
+from dmlbook.comm import collectives, gloo_thread
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.launch import device, run
 
@@ -138,10 +138,12 @@ def bench_allreduce(
         time_all_reduces, world_size, list(sizes), repeats, warmup, check, True, timeout=600
     )[0]
     records = []
+    loop = gloo_thread.policy_from_env() or "normal"  # as every rank set it (DMLBOOK_GLOO_LOOP)
     print(
         f"all_reduce, float32, world size {world_size}, median of {repeats} runs "
         f"({repeats * SMALL_FACTOR} below {_human(MANY_REPEATS_BELOW)}; slowest rank; "
-        f"contenders interleaved), baseline torch.distributed.all_reduce"
+        f"contenders interleaved), baseline torch.distributed.all_reduce; "
+        f"gloo's transport threads {loop} ({gloo_thread.ENV})"
     )
     print(
         f"{'algorithm':>20s} {'bytes':>10s} {'median':>10s} {'torch':>10s} {'ratio':>6s} "
@@ -161,6 +163,7 @@ def bench_allreduce(
                     "baseline_median_s": baseline,
                     "ratio": median_s / baseline,
                     "busbw_GBps": busbw,
+                    "gloo_loop": loop,
                 }
             )
             print(

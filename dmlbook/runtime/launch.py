@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmlbook.comm import gloo_thread
 from dmlbook.runtime import errors, protocol, shipping, zygote
 from dmlbook.runtime.errors import (
     BACKENDS,
@@ -121,11 +122,14 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout) -> list[Any]:
         )
     initialised_here = not dist.is_initialized()
     if initialised_here:
+        loop_policy = gloo_thread.policy_from_env()  # DMLBOOK_GLOO_LOOP, checked before init
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
         backend = resolve_backend(backend, local_world)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        if loop_policy:
+            gloo_thread.set_loop_policy(loop_policy)
     try:
         result = fn(*args, **kwargs)
         results: list[Any] = [None] * env_world

@@ -26,6 +26,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from dmlbook.comm import gloo_thread
 from dmlbook.runtime import protocol, rank_server, shipping
 from dmlbook.runtime.failures import failure_report
 
@@ -120,6 +121,8 @@ def _init_process_group(rank: int, meta: dict) -> None:
     if store.add(_JOINED, 1) == meta["world_size"]:
         store.set(_ALL_JOINED, b"1")
     store.wait([_ALL_JOINED])
+    if meta.get("gloo_loop"):
+        gloo_thread.set_loop_policy(meta["gloo_loop"])
 
 
 def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:

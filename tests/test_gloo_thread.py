@@ -1,0 +1,60 @@
+"""DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for, in every rank, and the
+collectives unchanged (dmlbook.comm.gloo_thread; chapter 4)."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dmlbook.comm import collectives, gloo_thread
+from dmlbook.launch import run
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="thread policies through /proc and sched(7)"
+)
+
+
+def _policies_and_sums(n: int):
+    """This rank's loop-thread policies, and the ring's and gloo's sums of the same tensor."""
+    policies = [os.sched_getscheduler(tid) for tid in gloo_thread.loop_threads()]
+    x = torch.arange(n, dtype=torch.float32) * (dist.get_rank() + 1)
+    ours, theirs = x.clone(), x.clone()
+    collectives.all_reduce(ours)
+    dist.all_reduce(theirs)
+    return policies, ours, theirs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_idle_puts_every_ranks_transport_thread_under_sched_idle(monkeypatch, world_size):
+    monkeypatch.setenv(gloo_thread.ENV, "idle")
+    results = run(_policies_and_sums, world_size, 1001)
+    expected = torch.arange(1001, dtype=torch.float32) * sum(range(1, world_size + 1))
+    for policies, ours, theirs in results:
+        assert policies and set(policies) == {os.SCHED_IDLE}  # found (the name is gloo's) and set
+        assert torch.equal(ours, expected) and torch.equal(theirs, expected)
+
+
+def test_unset_leaves_the_threads_as_gloo_starts_them(monkeypatch):
+    monkeypatch.delenv(gloo_thread.ENV, raising=False)
+    for policies, _, _ in run(_policies_and_sums, 2, 7):
+        assert policies and set(policies) == {os.SCHED_OTHER}
+
+
+def test_a_bad_setting_is_a_clear_error_in_the_caller(monkeypatch):
+    monkeypatch.setenv(gloo_thread.ENV, "fast")
+    with pytest.raises(ValueError, match="DMLBOOK_GLOO_LOOP must be one of"):
+        run(_policies_and_sums, 2, 7)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        gloo_thread.set_loop_policy("fast")
+
+
+def test_a_thread_the_system_will_not_change_is_not_counted(monkeypatch):
+    monkeypatch.setattr(gloo_thread, "loop_threads", lambda: [os.getpid()])
+
+    def refuse(*args):
+        raise PermissionError("a sandbox that refuses sched_setscheduler")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    assert gloo_thread.set_loop_policy("idle") == 0
