@@ -19,11 +19,19 @@ for a core.
 :func:`set_loop_policy` moves those threads to ``SCHED_IDLE``: they run only on a core nobody
 else wants, so a spinning loop thread gives way at once to the thread it waits for. On the quiet
 reference machine that removed the slow round trips (0-1% above 2 ms, p90 0.21-0.45 ms against
-3-4 ms, ping-pong and ``all_reduce`` alike) and brought gloo's all-reduce and the book's ring
-down together (``bench allreduce``). It is not the default, because it has a price where cores
-are *not* free: with two other busy processes on the two cores, ``all_reduce`` of 64 KiB took a
-median of 3.2 ms with idle loop threads against 0.35 ms at the normal policy, as the loop
-threads waited for idle time that never came. A classroom server is such a machine.
+3-4 ms, ping-pong and ``all_reduce`` alike) and made gloo's all-reduce and the book's ring faster
+together (``bench allreduce``, three runs each way: gloo 9.9-10.4 ms at 16 MiB against
+10.5-17.9; the ring 1.03-1.17x gloo at 64 KiB against 1.33-2.80x). Torch's DDP step did not slow
+(``bench data-parallel``: 2.88 and 14.4 ms against 2.86 and 15.2 for the two MLPs).
+
+It is not the default. A thread that runs only on a free core is, by design, last in line on a
+machine whose cores are all taken, as a classroom server's can be. Beside two busy processes on
+the two cores the runs here disagreed: one measured a median of 3.2 ms for a 64 KiB
+``all_reduce`` with idle loop threads against 0.35 at the normal policy, two more 0.36-0.38
+against 0.28-0.44, and ``bench allreduce`` 1.19 ms against 1.51 at 1 MiB. Beside the test suite
+(three workers on the two cores) chapter 4's ping-pong had 42% of its round trips above 2 ms
+with idle loop threads against 18% at the normal policy. So the setting is the user's to make,
+where cores are free.
 
 ``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment makes every rank that
 :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
