@@ -30,8 +30,9 @@ the two cores the runs here disagreed: one measured a median of 3.2 ms for a 64 
 ``all_reduce`` with idle loop threads against 0.35 at the normal policy, two more 0.36-0.38
 against 0.28-0.44, and ``bench allreduce`` 1.19 ms against 1.51 at 1 MiB. Beside the test suite
 (three workers on the two cores) chapter 4's ping-pong had 42% of its round trips above 2 ms
-with idle loop threads against 18% at the normal policy. So the setting is the user's to make,
-where cores are free.
+with idle loop threads against 18% at the normal policy, and beside other ranks' collectives
+2-53% against 0-6% in four runs: there the stall it removes hardly happens, and the loop threads
+wait for a free core. So the setting is the user's to make, where cores are free.
 
 ``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment makes every rank that
 :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
