@@ -58,3 +58,21 @@ def test_a_thread_the_system_will_not_change_is_not_counted(monkeypatch):
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     assert gloo_thread.set_loop_policy("idle") == 0
+
+
+def _policies_after_a_mesh():
+    from dmlbook.advanced.composition.mesh import DeviceMesh
+
+    before = len(gloo_thread.loop_threads())
+    mesh = DeviceMesh((2, 1), ("dp", "tp"))  # new groups: loop threads of their own
+    x = torch.ones(5)
+    dist.all_reduce(x, group=mesh.group("dp"))
+    tids = gloo_thread.loop_threads()
+    return before, len(tids), {os.sched_getscheduler(tid) for tid in tids}, x
+
+
+def test_groups_a_mesh_makes_later_follow_the_setting(monkeypatch):
+    monkeypatch.setenv(gloo_thread.ENV, "idle")
+    for before, after, policies, x in run(_policies_after_a_mesh, 2):
+        assert after > before and policies == {os.SCHED_IDLE}
+        assert torch.equal(x, torch.full((5,), 2.0))

@@ -36,18 +36,26 @@ wait for a free core. So the setting is the user's to make, where cores are free
 
 ``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment makes every rank that
 :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
-``set_loop_policy("idle")`` once its process group is up. A group made later
-(``dist.new_group``) starts a loop thread of its own, at the normal policy: call
-:func:`set_loop_policy` again after making it. Where threads cannot be found or changed (not
-Linux, or a sandbox that refuses ``sched_setscheduler``) it changes nothing and says so by its
-return value.
+``set_loop_policy("idle")`` once its process group is up (the rank's environment then says so
+too). A group made later (``dist.new_group``) starts a loop thread of its own, at the normal
+policy: :func:`follow_env` after making it applies the setting again, as chapter 13's meshes and
+layouts do. Where threads cannot be found or changed (not Linux, or a sandbox that refuses
+``sched_setscheduler``) nothing changes, and the return value says so.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "LOOP_THREAD", "POLICIES", "loop_threads", "policy_from_env", "set_loop_policy"]
+__all__ = [
+    "ENV",
+    "LOOP_THREAD",
+    "POLICIES",
+    "follow_env",
+    "loop_threads",
+    "policy_from_env",
+    "set_loop_policy",
+]
 
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop thread
 ENV = "DMLBOOK_GLOO_LOOP"
@@ -99,3 +107,10 @@ def policy_from_env() -> str | None:
     if value not in POLICIES:
         raise ValueError(f"{ENV} must be one of {POLICIES} or unset, got {value!r}")
     return value
+
+
+def follow_env() -> int:
+    """Apply ``DMLBOOK_GLOO_LOOP`` to this process's loop threads, those of groups made since the
+    rank started included; 0 (and nothing changed) when it is unset."""
+    policy = policy_from_env()
+    return set_loop_policy(policy) if policy else 0

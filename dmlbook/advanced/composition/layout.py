@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dmlbook.comm import gloo_thread
+
 __all__ = ["DEGREES", "GROUP_NAMES", "MESH_DIMS", "Layout", "ProcessGroups", "mesh_groups"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank grid, slowest to fastest
@@ -252,6 +254,7 @@ class ProcessGroups:
                     else None
                 )
             setattr(self, name, made[key])
+        gloo_thread.follow_env()  # the new groups' transport threads, as the world's
 
     def size(self, name: str) -> int:
         return len(self.ranks[name])

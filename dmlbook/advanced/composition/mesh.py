@@ -36,6 +36,7 @@ from torch import nn
 from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
 from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
+from dmlbook.comm import gloo_thread
 from dmlbook.comm.groups import local_rows
 from dmlbook.data_parallel.loop import ForwardBackward, train_loop
 from dmlbook.models import Batch, CharGPT
@@ -76,6 +77,7 @@ class DeviceMesh:
                 group = dist.new_group(ranks) if world > 1 else None
                 if rank in ranks:
                     self._groups[name] = group
+        gloo_thread.follow_env()  # the new groups' transport threads, as the world's
 
     def coordinate_of(self, rank: int) -> dict[str, int]:
         """Where global ``rank`` sits on the mesh, e.g. ``{"dp": 1, "tp": 0}``."""
