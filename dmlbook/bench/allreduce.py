@@ -138,12 +138,14 @@ def bench_allreduce(
         time_all_reduces, world_size, list(sizes), repeats, warmup, check, True, timeout=600
     )[0]
     records = []
-    loop = gloo_thread.policy_from_env() or "normal"  # as every rank set it (DMLBOOK_GLOO_LOOP)
+    # gloo's transport threads, as ranks launched the same way find them (DMLBOOK_GLOO_LOOP)
+    policies = set(run(gloo_thread.current_policy, world_size))
+    loop = policies.pop() if len(policies) == 1 else "mixed"  # None: no gloo thread (NCCL)
     print(
         f"all_reduce, float32, world size {world_size}, median of {repeats} runs "
         f"({repeats * SMALL_FACTOR} below {_human(MANY_REPEATS_BELOW)}; slowest rank; "
         f"contenders interleaved), baseline torch.distributed.all_reduce; "
-        f"gloo's transport threads {loop} ({gloo_thread.ENV})"
+        f"gloo's transport threads {loop or 'none'} ({gloo_thread.ENV})"
     )
     print(
         f"{'algorithm':>20s} {'bytes':>10s} {'median':>10s} {'torch':>10s} {'ratio':>6s} "

@@ -18,39 +18,33 @@ for a core.
 
 :func:`set_loop_policy` moves those threads to ``SCHED_IDLE``: they run only on a core nobody
 else wants, so a spinning loop thread gives way at once to the thread it waits for. On the quiet
-reference machine that removed the slow round trips (0-1% above 2 ms, p90 0.21-0.45 ms against
-3-4 ms, ping-pong and ``all_reduce`` alike) and made gloo's all-reduce and the book's ring faster
-together (``bench allreduce``, three runs each way: gloo 9.9-10.4 ms at 16 MiB against
-10.5-17.9; the ring 1.03-1.17x gloo at 64 KiB against 1.33-2.80x). Torch's DDP step did not slow
-(``bench data-parallel``: 2.88 and 14.4 ms against 2.86 and 15.2 for the two MLPs).
+reference machine that removed the slow round trips and made gloo's all-reduce and the book's
+ring faster together; chapter 4 shows it on the machine at hand, and the README's benchmarks
+give the figures. It is not the default: a thread that runs only on a free core waits when every
+core is busy, and beside the test suite or other ranks' collectives the same ping-pong was
+slower with idle loop threads than as gloo starts them.
 
-It is not the default. A thread that runs only on a free core is, by design, last in line on a
-machine whose cores are all taken, as a classroom server's can be. Beside two busy processes on
-the two cores the runs here disagreed: one measured a median of 3.2 ms for a 64 KiB
-``all_reduce`` with idle loop threads against 0.35 at the normal policy, two more 0.36-0.38
-against 0.28-0.44, and ``bench allreduce`` 1.19 ms against 1.51 at 1 MiB. Beside the test suite
-(three workers on the two cores) chapter 4's ping-pong had 42% of its round trips above 2 ms
-with idle loop threads against 18% at the normal policy, and beside other ranks' collectives
-2-53% against 0-6% in four runs: there the stall it removes hardly happens, and the loop threads
-wait for a free core. So the setting is the user's to make, where cores are free.
-
-``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment makes every rank that
-:func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
-``set_loop_policy("idle")`` once its process group is up (the rank's environment then says so
-too). A group made later (``dist.new_group``) starts a loop thread of its own, at the normal
-policy: :func:`follow_env` after making it applies the setting again, as chapter 13's meshes and
-layouts do. Where threads cannot be found or changed (not Linux, or a sandbox that refuses
-``sched_setscheduler``) nothing changes, and the return value says so.
+``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment (which every rank inherits) makes every
+rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
+:func:`follow_env` once its process group is up. A group made later (``dist.new_group``) starts
+a loop thread of its own, at the normal policy: :func:`follow_env` after making it applies the
+setting again, as chapter 13's meshes and layouts and chapter 3's parameter server do. Where no
+thread can be set (not Linux, or a sandbox that refuses ``sched_setscheduler``) nothing changes;
+the count returned says so, and :func:`follow_env` says it on stderr under gloo.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 __all__ = [
     "ENV",
     "LOOP_THREAD",
     "POLICIES",
+    "current_policy",
     "follow_env",
     "loop_threads",
     "policy_from_env",
@@ -60,42 +54,78 @@ __all__ = [
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop thread
 ENV = "DMLBOOK_GLOO_LOOP"
 POLICIES = ("normal", "idle")
+NAMING_WAIT_S = 0.2  # how long to wait for threads just started to take their names
 
 
-def loop_threads() -> list[int]:
-    """The thread ids of this process's gloo transport threads ([] where /proc has none)."""
-    tids = []
+def _thread_names() -> dict[int, str]:
+    """This process's threads by id, each with its name ({} where /proc has none)."""
+    names = {}
     try:
         entries = os.listdir("/proc/self/task")
     except OSError:
-        return tids
+        return names
     for tid in entries:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == LOOP_THREAD:
-                    tids.append(int(tid))
+                names[int(tid)] = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
-    return tids
+    return names
+
+
+def loop_threads() -> list[int]:
+    """The thread ids of this process's gloo transport threads ([] where /proc has none).
+
+    A thread starts with its creator's name and takes its own a moment later, so a loop thread
+    that ``dist.new_group`` has just started may still carry this thread's. This waits (up to
+    :data:`NAMING_WAIT_S`) until every thread that Python did not start has a name of its own.
+    (This thread's id comes from ``threading.get_native_id()``: in a forked rank,
+    ``threading.main_thread().native_id`` is still the parent's.)"""
+    me = threading.get_native_id()
+    deadline = time.monotonic() + NAMING_WAIT_S
+    while True:
+        names = _thread_names()
+        ours = {t.native_id for t in threading.enumerate()} | {me}
+        unnamed = [tid for tid, name in names.items() if name == names.get(me) and tid not in ours]
+        if not unnamed or time.monotonic() > deadline:
+            return sorted(tid for tid, name in names.items() if name == LOOP_THREAD)
+        time.sleep(0.001)
 
 
 def set_loop_policy(policy: str) -> int:
     """Put every gloo transport thread of this process under ``policy``: "idle"
     (``SCHED_IDLE``: it runs only on a core nobody else wants) or "normal" (``SCHED_OTHER``, as
-    gloo starts it). Returns how many threads were changed: 0 where none could be."""
+    gloo starts it). Returns how many threads were set: 0 where none could be."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not hasattr(os, "sched_setscheduler"):
+    if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")):
         return 0
     kind = os.SCHED_IDLE if policy == "idle" else os.SCHED_OTHER
-    changed = 0
+    done = 0
     for tid in loop_threads():
         try:
             os.sched_setscheduler(tid, kind, os.sched_param(0))
         except OSError:  # gone, or refused (leaving SCHED_IDLE may need privileges)
             continue
-        changed += 1
-    return changed
+        done += 1
+    return done
+
+
+def current_policy() -> str | None:
+    """ "idle" or "normal" when every gloo transport thread of this process is under it, "mixed"
+    when they differ; None when there is none to ask (or no way to ask)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return None
+    found = set()
+    for tid in loop_threads():
+        try:
+            kind = os.sched_getscheduler(tid)
+        except OSError:
+            continue
+        found.add("idle" if kind == getattr(os, "SCHED_IDLE", None) else "normal")
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else "mixed"
 
 
 def policy_from_env() -> str | None:
@@ -111,6 +141,19 @@ def policy_from_env() -> str | None:
 
 def follow_env() -> int:
     """Apply ``DMLBOOK_GLOO_LOOP`` to this process's loop threads, those of groups made since the
-    rank started included; 0 (and nothing changed) when it is unset."""
+    rank started included; 0 (and nothing changed) when it is unset. Under gloo, a setting that
+    could change no thread is said on stderr rather than ignored."""
     policy = policy_from_env()
-    return set_loop_policy(policy) if policy else 0
+    if not policy:
+        return 0
+    done = set_loop_policy(policy)
+    if done == 0:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            print(
+                f"dmlbook: {ENV}={policy}, but no gloo transport thread ({LOOP_THREAD}) could be "
+                "set here; gloo runs as it starts",
+                file=sys.stderr,
+            )
+    return done

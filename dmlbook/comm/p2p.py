@@ -39,8 +39,8 @@ class _Comm:
         world = dist.group.WORLD
         self.group = group
         self.pg = world if group is None else group  # for ShapeCheck's plumbing
-        self.world = world is not None and self.pg is world  # group ranks are global ranks
-        if self.world:  # the process group's own answers: no lookups on every small collective
+        self.is_world = world is not None and self.pg is world  # group ranks are global ranks
+        if self.is_world:  # the process group's own answers: no lookups on every small collective
             self.rank, self.size = world.rank(), world.size()
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -53,12 +53,12 @@ class _Comm:
         return self.rank >= 0
 
     def global_rank(self, group_rank: int) -> int:
-        if self.world:
+        if self.is_world:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
     def group_rank(self, global_rank: int, name: str) -> int:
-        if self.world:
+        if self.is_world:
             ranks = range(self.size)
             if global_rank not in ranks:
                 raise ValueError(f"{name}={global_rank} is not a rank of a world of {self.size}")

@@ -122,14 +122,13 @@ def _run_in_place(fn, world_size, args, kwargs, backend, timeout) -> list[Any]:
         )
     initialised_here = not dist.is_initialized()
     if initialised_here:
-        loop_policy = gloo_thread.policy_from_env()  # DMLBOOK_GLOO_LOOP, checked before init
+        gloo_thread.policy_from_env()  # a bad DMLBOOK_GLOO_LOOP fails before init
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
         backend = resolve_backend(backend, local_world)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        if loop_policy:
-            gloo_thread.set_loop_policy(loop_policy)
+        gloo_thread.follow_env()
     try:
         result = fn(*args, **kwargs)
         results: list[Any] = [None] * env_world

@@ -97,7 +97,7 @@ class RankGroup:
     def __init__(self, world_size: int, backend: str, timeout: float, serve: bool = False):
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.serve = serve  # a session's ranks serve requests; a launch's call one function
-        self.gloo_loop = gloo_thread.policy_from_env()  # a bad setting fails here, in the caller
+        gloo_thread.policy_from_env()  # a bad DMLBOOK_GLOO_LOOP fails here, in the caller
         self.helper = _start_helper()  # first: it may refuse (a bad setting) before we own anything
         kind = "ranks" if serve else "launch"
         try:
@@ -128,7 +128,6 @@ class RankGroup:
             sources=sources or {},  # cells' lines, which IPython keeps only in memory
             parent_pid=self.helper.process.pid if self.helper else os.getpid(),
             serve=self.serve,
-            gloo_loop=self.gloo_loop,  # DMLBOOK_GLOO_LOOP (dmlbook.comm.gloo_thread)
         )
         (self.workdir / protocol.META).write_bytes(pickle.dumps(meta))
         for rank in range(self.world_size):

@@ -121,9 +121,7 @@ def _init_process_group(rank: int, meta: dict) -> None:
     if store.add(_JOINED, 1) == meta["world_size"]:
         store.set(_ALL_JOINED, b"1")
     store.wait([_ALL_JOINED])
-    if meta.get("gloo_loop"):  # DMLBOOK_GLOO_LOOP in the caller; groups made later follow it
-        os.environ[gloo_thread.ENV] = meta["gloo_loop"]
-        gloo_thread.set_loop_policy(meta["gloo_loop"])
+    gloo_thread.follow_env()  # DMLBOOK_GLOO_LOOP, from the caller's environment
 
 
 def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:
