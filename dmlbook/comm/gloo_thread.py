@@ -54,7 +54,8 @@ __all__ = [
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop thread
 ENV = "DMLBOOK_GLOO_LOOP"
 POLICIES = ("normal", "idle")
-NAMING_WAIT_S = 0.2  # how long to wait for threads just started to take their names
+NAMING_WAIT_S = 1.0  # how long to wait for threads just started to take their names (a busy
+# machine may not run a new thread for a while; it is waited for only while one is unnamed)
 
 
 def _thread_names() -> dict[int, str]:
