@@ -5,7 +5,8 @@ A pipeline overlaps its stages only when each stage has a core of its own, which
 machine than about the algorithm. Linux counts, for every thread, the time it was ready to run but
 waited for a CPU (the run-queue delay in /proc/<pid>/task/*/schedstat), so a notebook can tell:
 
-- :func:`cpu_wait_s` is the seconds this process has waited so far. Chapter 7's training and
+- :func:`scheduler_clock` is the seconds given threads have run and waited so far, and
+  :func:`cpu_wait_s` the seconds this process has waited. Chapter 7's training and
   serving loops (:mod:`dmlbook.model_parallel.pipeline_workflows`,
   :mod:`dmlbook.model_parallel.pipeline_serving`) record it beside their step times.
 - :func:`cpu_wait_in_burst` and :func:`cores_are_free` ask before a timing claim is checked:
@@ -17,6 +18,7 @@ waited for a CPU (the run-queue delay in /proc/<pid>/task/*/schedstat), so a not
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -25,30 +27,39 @@ import torch.distributed as dist
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.comm.groups import device as rank_device
 
-__all__ = ["cores_are_free", "cpu_wait_in_burst", "cpu_wait_s"]
+__all__ = ["cores_are_free", "cpu_wait_in_burst", "cpu_wait_s", "scheduler_clock"]
+
+
+def scheduler_clock(threads=None) -> tuple[float, float]:
+    """Seconds the given threads (ids; all of this process's by default) have so far spent on a
+    CPU, and ready to run but waiting for one: Linux's /proc/self/task/<tid>/schedstat, summed.
+    (0.0, 0.0) where that is not available; a thread that has ended counts nothing. Chapter 4
+    reads it for gloo's transport thread and the rank's own."""
+    on = waiting = 0
+    try:
+        tids = os.listdir("/proc/self/task") if threads is None else threads
+    except OSError:
+        return 0.0, 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]  # on-cpu ns, run-queue ns, time slices
+        except (OSError, ValueError):
+            continue
+        on, waiting = on + int(ran), waiting + int(waited)
+    return on / 1e9, waiting / 1e9
 
 
 def cpu_wait_s() -> float:
     """Seconds this process's threads have so far spent ready to run but waiting for a CPU (the
     run-queue delay in Linux's /proc/<pid>/task/*/schedstat); 0.0 where that is not available.
     Other work on the machine shows up here: time a stage lost, not time it chose to wait."""
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                total += int(f.read().split()[1])  # on-cpu ns, run-queue ns, time slices
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return total / 1e9
+    return scheduler_clock()[1]
 
 
 def _thread_wait_s() -> float:
     """:func:`cpu_wait_s` for the calling thread alone: a share of its wall time is at most 1."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    return scheduler_clock([threading.get_native_id()])[1]
 
 
 def cpu_wait_in_burst(seconds: float = 0.3, group: dist.ProcessGroup | None = None) -> float:

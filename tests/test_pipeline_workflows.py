@@ -237,6 +237,21 @@ def test_cpu_wait_counts_threads_that_are_ready_but_have_no_core():
     assert waited > 0.5, waited
 
 
+def test_scheduler_clock_counts_the_threads_it_is_given():
+    """The calling thread's CPU time grows while it computes; a thread id this process does not
+    have counts nothing (chapter 4 reads gloo's transport thread this way)."""
+    from dmlbook.cpu_wait import scheduler_clock
+
+    me = [threading.get_native_id()]
+    on, _ = scheduler_clock(me)
+    a, start = torch.rand(256, 256), time.thread_time()
+    while time.thread_time() - start < 0.2:
+        a @ a
+    assert scheduler_clock(me)[0] - on > 0.1
+    assert scheduler_clock([2**31 - 1]) == (0.0, 0.0)
+    assert scheduler_clock()[0] >= scheduler_clock(me)[0]  # the whole process, this thread too
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_pipelined_serving_equals_the_model(stages):
     ranks = results(stages)
