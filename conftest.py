@@ -12,7 +12,8 @@ a shared classroom server is. N processes spin on the CPU from the session's sta
 the timing claims of the chapters and tests must still hold (or be shown, not asserted).
 
 Each chapter runs once: chapters 4 and 13 run under nbval inside the concurrency test (two runs
-at the same moment), so while that test is in the session their own cells are not run again.
+at the same moment, both of chapter 13, one then of chapter 4), so while that test is in the
+session their own cells are not run again.
 
 ``both_cores``: a test that keeps both cores busy for minutes (the concurrency test, the
 browser) takes this fixture, and under pytest-xdist such tests run one at a time: a second one
@@ -110,8 +111,8 @@ def pytest_collection_modifyitems(config, items):
 
 def _run_each_chapter_once(config, items) -> None:
     """A test marked ``runs_chapters(name, ...)`` runs every cell of those notebooks itself and
-    fails on any error, as nbval does: the concurrency test runs chapters 4 and 13 (twice, at
-    the same moment), the browser test chapter 2, the hub test chapter 9 (four learners) and
+    fails on any error, as nbval does: the concurrency test runs chapter 13 (twice, at
+    the same moment) and chapter 4, the browser test chapter 2, the hub test chapter 9 (four learners) and
     the wheel test chapter 10. When it is selected and not skipped (a skip must be decided at
     collection, by a ``skipif`` mark, to count here), the notebooks' own cells are deselected:
     each chapter still runs, every cell checked, but not once more on its own. Run alone, a
