@@ -31,8 +31,10 @@ from dmlbook import netlab
 REPO = Path(__file__).resolve().parent.parent
 CHAPTERS = ["04_bottlenecks_and_solutions.ipynb", "13_putting_it_together.ipynb"]
 # What each run runs, in order: both begin with chapter 13, at the same moment.
-RUNS = {"a": ["13_putting_it_together.ipynb", "04_bottlenecks_and_solutions.ipynb"],
-        "b": ["13_putting_it_together.ipynb"]}
+RUNS = {
+    "a": ["13_putting_it_together.ipynb", "04_bottlenecks_and_solutions.ipynb"],
+    "b": ["13_putting_it_together.ipynb"],
+}
 
 
 def _root_veths() -> set[str]:
