@@ -78,6 +78,12 @@ class ProcessSampler(threading.Thread):
         # every port a process of the run listened on: (port, pid) -> (address in hex, command)
         self.listened: dict[tuple[int, int], tuple[str, str]] = {}
         self._stop_event = threading.Event()
+        # What a sample need not read again (a sample reads /proc for every process on the
+        # machine; on a busy one, 10-20 ms each, five a second). A process's environment is
+        # fixed at its start, and the marker is inherited: (pid, start time) -> carries it.
+        self._marked: dict[tuple[int, int], bool] = {}
+        self._sockets: set[int] = set()  # our processes' socket inodes at the last table read
+        self._table_read = 0.0  # when the machine's table of listening sockets was last read
 
     def sample(self) -> None:
         table = {}
@@ -92,7 +98,13 @@ class ProcessSampler(threading.Thread):
                 p = table[p][0]
             if p in ours:
                 ours.update(chain)
-        ours |= {pid for pid in table if _has_marker(pid, self.marker)}
+        for pid, (_, start, _) in table.items():
+            if pid not in ours:
+                marked = self._marked.get((pid, start))
+                if marked is None:
+                    marked = self._marked[(pid, start)] = _has_marker(pid, self.marker)
+                if marked:
+                    ours.add(pid)
         for pid in ours:
             # Read again at every sample, and keep every command line a process has shown: a
             # child caught between fork and exec still shows its parent's (the hub's, for the
@@ -110,11 +122,18 @@ class ProcessSampler(threading.Thread):
                 self.seen[key] = line or "?"
             elif line and line not in known.split(" | "):
                 self.seen[key] = line if known == "?" else f"{known} | {line}"
-        sockets = listening_sockets()
-        for pid in ours:
-            for inode in _socket_inodes(pid) & sockets.keys():
-                address, port = sockets[inode]
-                self.listened[(port, pid)] = (address, self.seen[(pid, table[pid][1])])
+        inodes = {pid: _socket_inodes(pid) for pid in ours}
+        now = set().union(*inodes.values())
+        # The machine's table of listening sockets costs milliseconds to read: read it when a
+        # process of ours has a socket it had not at the last read, and at least once a second
+        # (a socket seen before it listened is found listening by then).
+        if now - self._sockets or time.monotonic() - self._table_read > 1.0:
+            self._sockets, self._table_read = now, time.monotonic()
+            sockets = listening_sockets()
+            for pid, held in inodes.items():
+                for inode in held & sockets.keys():
+                    address, port = sockets[inode]
+                    self.listened[(port, pid)] = (address, self.seen[(pid, table[pid][1])])
 
     def run(self) -> None:
         while not self._stop_event.is_set():
