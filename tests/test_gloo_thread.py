@@ -1,5 +1,6 @@
-"""DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for, in every rank and in
-the groups made later, and the collectives unchanged (dmlbook.comm.gloo_thread; chapter 4)."""
+"""DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for ("low" when unset), in
+every rank and in the groups made later, and the collectives unchanged (dmlbook.comm.gloo_thread;
+chapter 4)."""
 
 import os
 import sys
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.skipif(
 
 def _policies_and_sums(n: int):
     """This rank's loop-thread policies, and the ring's and gloo's sums of the same tensor."""
-    policies = [os.sched_getscheduler(tid) for tid in gloo_thread.loop_threads()]
+    tids = gloo_thread.loop_threads()
+    policies = [(os.sched_getscheduler(t), os.getpriority(os.PRIO_PROCESS, t)) for t in tids]
     x = torch.arange(n, dtype=torch.float32) * (dist.get_rank() + 1)
     ours, theirs = x.clone(), x.clone()
     collectives.all_reduce(ours)
@@ -32,15 +34,21 @@ def test_idle_puts_every_ranks_transport_thread_under_sched_idle(monkeypatch, wo
     results = run(_policies_and_sums, world_size, 1001, backend="gloo")
     expected = torch.arange(1001, dtype=torch.float32) * sum(range(1, world_size + 1))
     for policies, current, ours, theirs in results:
-        assert policies and set(policies) == {os.SCHED_IDLE}  # found (the name is gloo's) and set
+        assert policies and {kind for kind, _ in policies} == {os.SCHED_IDLE}  # found and set
         assert current == "idle"
         assert torch.equal(ours, expected) and torch.equal(theirs, expected)
 
 
-def test_unset_leaves_the_threads_as_gloo_starts_them(monkeypatch):
+def test_unset_puts_the_threads_at_low_and_normal_leaves_them_as_gloo_starts_them(monkeypatch):
     monkeypatch.delenv(gloo_thread.ENV, raising=False)
+    expected = torch.arange(7, dtype=torch.float32) * 3
+    for policies, current, ours, theirs in run(_policies_and_sums, 2, 7, backend="gloo"):
+        assert policies and set(policies) == {(os.SCHED_OTHER, gloo_thread.LOW_NICE)}
+        assert current == "low" == gloo_thread.DEFAULT_POLICY
+        assert torch.equal(ours, expected) and torch.equal(theirs, expected)
+    monkeypatch.setenv(gloo_thread.ENV, "normal")
     for policies, current, _, _ in run(_policies_and_sums, 2, 7, backend="gloo"):
-        assert policies and set(policies) == {os.SCHED_OTHER} and current == "normal"
+        assert policies and set(policies) == {(os.SCHED_OTHER, 0)} and current == "normal"
 
 
 def test_a_bad_setting_is_a_clear_error_in_the_caller(monkeypatch):
@@ -94,3 +102,6 @@ def test_a_setting_that_sets_nothing_under_gloo_says_so(monkeypatch, capfd):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert gloo_thread.follow_env() == 0
     assert "no gloo transport thread" in capfd.readouterr().err
+    monkeypatch.delenv(gloo_thread.ENV)  # the default, not asked for: nothing to say
+    assert gloo_thread.follow_env() == 0
+    assert capfd.readouterr().err == ""

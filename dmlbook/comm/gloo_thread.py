@@ -16,21 +16,37 @@ a time slice of 3-4 ms. ``/proc/<pid>/task/<tid>/schedstat`` showed it: during a
 loop thread ran 0.56 ms per round trip, and the rank's main thread waited 0.69 ms per round trip
 for a core.
 
-:func:`set_loop_policy` moves those threads to ``SCHED_IDLE``: they run only on a core nobody
-else wants, so a spinning loop thread gives way at once to the thread it waits for. On the quiet
-reference machine that removed the slow round trips and made gloo's all-reduce and the book's
-ring faster together; chapter 4 shows it on the machine at hand, and the README's benchmarks
-give the figures. It is not the default: a thread that runs only on a free core waits when every
-core is busy, and beside the test suite or other ranks' collectives the same ping-pong was
-slower with idle loop threads than as gloo starts them.
+:func:`set_loop_policy` gives those threads one of three places in the scheduler's queue:
 
-``DMLBOOK_GLOO_LOOP=idle`` in the caller's environment (which every rank inherits) makes every
-rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts call
-:func:`follow_env` once its process group is up. A group made later (``dist.new_group``) starts
-a loop thread of its own, at the normal policy: :func:`follow_env` after making it applies the
-setting again, as chapter 13's meshes and layouts and chapter 3's parameter server do. Where no
-thread can be set (not Linux, or a sandbox that refuses ``sched_setscheduler``) nothing changes;
-the count returned says so, and :func:`follow_env` says it on stderr under gloo.
+* ``"normal"``: as gloo starts them (``SCHED_OTHER``, nice 0), level with the rank's own thread.
+* ``"low"`` (the default): nice 19, the lowest weight ``SCHED_OTHER`` has. A spinning loop
+  thread then gets a small share of a contended core instead of an equal one, so the lock holder
+  it waits for gets the core sooner; yet the thread still gets its share, so it is never left
+  waiting for a core that stays busy.
+* ``"idle"``: ``SCHED_IDLE``: the thread runs only on a core nobody else wants, and any other
+  thread that wakes takes its core at once. Best on a quiet machine, worst on a busy one.
+
+Measured on the 2-core reference machine (chapter 4 shows the first on the machine at hand; the
+README gives the rest): a 1 KiB or 64 KiB round trip took over 2 ms in 10-38% of round trips as
+gloo starts the threads, 2-12% with ``"low"`` and 0-1% with ``"idle"``, quiet. Beside two busy
+processes, a 64 KiB ``dist.all_reduce`` took over 2 ms in 30-42% of calls (normal), 8-23%
+(low) and 8-63% (idle, with a 1 KiB median of 4 ms in one run). And where a job's own ranks
+outnumber the cores (world size 3 and 4 on 2 cores), spinning loop threads are pure waste:
+three test modules of collectives and data parallelism used 73 CPU-seconds as gloo starts the
+threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` is the better of the three
+in every case but the quiet machine, where ``"idle"`` wins, and ``"normal"`` in none, so the
+book's ranks use ``"low"`` unless told otherwise.
+
+``DMLBOOK_GLOO_LOOP`` in the caller's environment (which every rank inherits) chooses another:
+every rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts (or that
+``run`` finds under torchrun) calls :func:`follow_env` once its process group is up. A group
+made later (``dist.new_group``) starts a loop thread of its own, as gloo starts it:
+:func:`follow_env` after making it applies the policy again, as chapter 13's meshes and layouts
+and chapter 3's parameter server do. Where no thread can be set (not Linux, or a sandbox that
+refuses) nothing changes; the count returned says so, and :func:`follow_env` says it on stderr
+under gloo when the policy was asked for. Going back to ``"normal"`` from ``"low"`` or ``"idle"``
+raises a thread's priority, which Linux allows only with privileges: refused threads are not
+counted.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import threading
 import time
 
 __all__ = [
+    "DEFAULT_POLICY",
     "ENV",
     "LOOP_THREAD",
     "POLICIES",
@@ -53,7 +70,9 @@ __all__ = [
 
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop thread
 ENV = "DMLBOOK_GLOO_LOOP"
-POLICIES = ("normal", "idle")
+POLICIES = ("normal", "low", "idle")
+DEFAULT_POLICY = "low"  # what the book's ranks use when DMLBOOK_GLOO_LOOP is unset
+LOW_NICE = 19  # "low": the highest nice value, the lowest weight under SCHED_OTHER
 NAMING_WAIT_S = 1.0  # how long to wait for threads just started to take their names (a busy
 # machine may not run a new thread for a while; it is waited for only while one is unnamed)
 
@@ -94,36 +113,42 @@ def loop_threads() -> list[int]:
 
 
 def set_loop_policy(policy: str) -> int:
-    """Put every gloo transport thread of this process under ``policy``: "idle"
-    (``SCHED_IDLE``: it runs only on a core nobody else wants) or "normal" (``SCHED_OTHER``, as
-    gloo starts it). Returns how many threads were set: 0 where none could be."""
+    """Put every gloo transport thread of this process under ``policy`` ("normal", "low" or
+    "idle", see the module's docstring). Returns how many threads were set: 0 where none
+    could be."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")):
         return 0
     kind = os.SCHED_IDLE if policy == "idle" else os.SCHED_OTHER
+    nice = {"normal": 0, "low": LOW_NICE, "idle": None}[policy]
     done = 0
     for tid in loop_threads():
         try:
             os.sched_setscheduler(tid, kind, os.sched_param(0))
-        except OSError:  # gone, or refused (leaving SCHED_IDLE may need privileges)
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux, that thread's alone
+        except OSError:  # gone, or refused (raising a thread's priority needs privileges)
             continue
         done += 1
     return done
 
 
 def current_policy() -> str | None:
-    """ "idle" or "normal" when every gloo transport thread of this process is under it, "mixed"
-    when they differ; None when there is none to ask (or no way to ask)."""
+    """ "normal", "low" or "idle" when every gloo transport thread of this process is under it
+    ("low": nice 19 under ``SCHED_OTHER``; any other nice counts as "normal"), "mixed" when they
+    differ; None when there is none to ask (or no way to ask)."""
     if not hasattr(os, "sched_getscheduler"):
         return None
     found = set()
     for tid in loop_threads():
         try:
-            kind = os.sched_getscheduler(tid)
+            if os.sched_getscheduler(tid) == getattr(os, "SCHED_IDLE", None):
+                found.add("idle")
+            else:
+                found.add("low" if os.getpriority(os.PRIO_PROCESS, tid) == LOW_NICE else "normal")
         except OSError:
             continue
-        found.add("idle" if kind == getattr(os, "SCHED_IDLE", None) else "normal")
     if not found:
         return None
     return found.pop() if len(found) == 1 else "mixed"
@@ -141,14 +166,14 @@ def policy_from_env() -> str | None:
 
 
 def follow_env() -> int:
-    """Apply ``DMLBOOK_GLOO_LOOP`` to this process's loop threads, those of groups made since the
-    rank started included; 0 (and nothing changed) when it is unset. Under gloo, a setting that
-    could change no thread is said on stderr rather than ignored."""
-    policy = policy_from_env()
-    if not policy:
-        return 0
+    """Put this process's loop threads, those of groups made since the rank started included,
+    under the policy ``DMLBOOK_GLOO_LOOP`` asks for, or :data:`DEFAULT_POLICY` when it is unset.
+    Returns how many were set. Under gloo, a policy asked for that could change no thread is
+    said on stderr rather than ignored."""
+    asked = policy_from_env()
+    policy = asked or DEFAULT_POLICY
     done = set_loop_policy(policy)
-    if done == 0:
+    if done == 0 and asked:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
