@@ -33,9 +33,9 @@ Beside two busy processes, a 1 or 64 KiB ``dist.all_reduce`` took over 2 ms in 3
 (normal), 8-23% (low) and 8-63% (idle, with a 1 KiB median of 4 ms in one run). And where a
 job's own ranks outnumber the cores (world size 3 and 4 on 2 cores), spinning loop threads are
 pure waste: three test modules of collectives and data parallelism used 73-74 CPU-seconds as gloo
-starts the threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` is the better of the three
-in every case but the quiet machine, where ``"idle"`` wins, and ``"normal"`` in none, so the
-book's ranks use ``"low"`` unless told otherwise.
+starts the threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` is the better of
+the three in every case but the quiet machine, where ``"idle"`` wins, and ``"normal"`` in none,
+so the book's ranks use ``"low"`` unless told otherwise.
 
 ``DMLBOOK_GLOO_LOOP`` in the caller's environment (which every rank inherits) chooses another:
 every rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts (or that
