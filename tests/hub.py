@@ -71,6 +71,8 @@ class ProcessSampler(threading.Thread):
 
     A process is recorded by (pid, start time), so a pid reused later is not mistaken for it."""
 
+    CHECKS = 5  # samples (a second) that look for the marker in a process's environment
+
     def __init__(self, root: int, marker: str) -> None:
         super().__init__(daemon=True)
         self.root, self.marker = root, f"{MARKER}={marker}".encode()
@@ -79,9 +81,11 @@ class ProcessSampler(threading.Thread):
         self.listened: dict[tuple[int, int], tuple[str, str]] = {}
         self._stop_event = threading.Event()
         # What a sample need not read again (a sample reads /proc for every process on the
-        # machine; on a busy one, 10-20 ms each, five a second). A process's environment is
-        # fixed at its start, and the marker is inherited: (pid, start time) -> carries it.
-        self._marked: dict[tuple[int, int], bool] = {}
+        # machine; on a busy one, 10-20 ms each, five a second). A process's environment changes
+        # only when it execs, just after its fork (a child of pytest that the run starts with
+        # the marker is caught there now and then): (pid, start time) -> True once it carried
+        # the marker, else how many samples have found it without (read again up to CHECKS).
+        self._marked: dict[tuple[int, int], bool | int] = {}
         self._sockets: set[int] = set()  # our processes' socket inodes at the last table read
         self._table_read = 0.0  # when the machine's table of listening sockets was last read
 
@@ -100,10 +104,11 @@ class ProcessSampler(threading.Thread):
                 ours.update(chain)
         for pid, (_, start, _) in table.items():
             if pid not in ours:
-                marked = self._marked.get((pid, start))
-                if marked is None:
-                    marked = self._marked[(pid, start)] = _has_marker(pid, self.marker)
-                if marked:
+                marked = self._marked.get((pid, start), 0)
+                if marked is not True and marked < self.CHECKS:
+                    marked = True if _has_marker(pid, self.marker) else marked + 1
+                    self._marked[(pid, start)] = marked
+                if marked is True:
                     ours.add(pid)
         for pid in ours:
             # Read again at every sample, and keep every command line a process has shown: a

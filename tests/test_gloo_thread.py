@@ -4,6 +4,8 @@ chapter 4)."""
 
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -67,6 +69,35 @@ def test_a_thread_the_system_will_not_change_is_not_counted(monkeypatch):
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     assert gloo_thread.set_loop_policy("idle") == 0
+    monkeypatch.undo()  # and a nice that will not change (raising a priority needs privileges)
+    monkeypatch.setattr(gloo_thread, "loop_threads", lambda: [threading.get_native_id()])
+    monkeypatch.setattr(os, "setpriority", refuse)
+    assert gloo_thread.set_loop_policy("low") == 0
+
+
+def _loop_threads_beside_a_thread_pool():
+    """Find the loop threads where torch's intra-op pool has started worker threads, which keep
+    this thread's name for good, with a naming wait long enough to show if it were taken."""
+    torch.set_num_threads(2)
+    a = torch.randn(1024, 1024)
+    (a @ a @ a).sum()  # the pool's workers start, and run for a while
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names[int(tid)] = f.read().strip()
+    me = threading.get_native_id()
+    python = {t.native_id for t in threading.enumerate()}
+    workers = [t for t, name in names.items() if name == names[me] and t not in python | {me}]
+    gloo_thread.NAMING_WAIT_S = 30.0
+    start = time.monotonic()
+    found = gloo_thread.loop_threads()
+    return len(workers), len(found), time.monotonic() - start
+
+
+def test_threads_that_keep_their_creators_name_are_not_waited_for():
+    (workers, found, took), _ = run(_loop_threads_beside_a_thread_pool, 2, backend="gloo")
+    assert workers >= 1  # the case this is about: threads named like the rank's own
+    assert found >= 1 and took < 10, f"waited {took:.1f} s for {workers} pool threads"
 
 
 def _policies_after_new_groups():

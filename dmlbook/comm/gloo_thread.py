@@ -18,7 +18,8 @@ for a core.
 
 :func:`set_loop_policy` gives those threads one of three places in the scheduler's queue:
 
-* ``"normal"``: as gloo starts them (``SCHED_OTHER``, nice 0), level with the rank's own thread.
+* ``"normal"``: as gloo starts them (``SCHED_OTHER``, at the nice of the rank's own thread),
+  level with it.
 * ``"low"`` (the default): nice 19, the lowest weight ``SCHED_OTHER`` has. A spinning loop
   thread then gets a small share of a contended core instead of an equal one, so the lock holder
   it waits for gets the core sooner; yet the thread still gets its share, so it is never left
@@ -33,9 +34,10 @@ Beside two busy processes, a 1 or 64 KiB ``dist.all_reduce`` took over 2 ms in 3
 (normal), 8-23% (low) and 8-63% (idle, with a 1 KiB median of 4 ms in one run). And where a
 job's own ranks outnumber the cores (world size 3 and 4 on 2 cores), spinning loop threads are
 pure waste: three test modules of collectives and data parallelism used 73-74 CPU-seconds as gloo
-starts the threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` is the better of
-the three in every case but the quiet machine, where ``"idle"`` wins, and ``"normal"`` in none,
-so the book's ranks use ``"low"`` unless told otherwise.
+starts the threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` did better than
+``"normal"`` wherever the two did not overlap, and better than ``"idle"`` beside busy processes;
+``"idle"`` did best on the quiet machine and with more ranks than cores, and worst beside busy
+processes. So the book's ranks use ``"low"`` unless told otherwise.
 
 ``DMLBOOK_GLOO_LOOP`` in the caller's environment (which every rank inherits) chooses another:
 every rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts (or that
@@ -75,6 +77,8 @@ DEFAULT_POLICY = "low"  # what the book's ranks use when DMLBOOK_GLOO_LOOP is un
 LOW_NICE = 19  # "low": the highest nice value, the lowest weight under SCHED_OTHER
 NAMING_WAIT_S = 1.0  # how long to wait for threads just started to take their names (a busy
 # machine may not run a new thread for a while; it is waited for only while one is unnamed)
+JUST_STARTED_S = 1e-3  # a thread that has run less than this may not have named itself yet
+_STRAYS: set[int] = set()  # unnamed threads waited for once in vain: not waited for again
 
 
 def _thread_names() -> dict[int, str]:
@@ -98,15 +102,28 @@ def loop_threads() -> list[int]:
 
     A thread starts with its creator's name and takes its own a moment later, so a loop thread
     that ``dist.new_group`` has just started may still carry this thread's. This waits (up to
-    :data:`NAMING_WAIT_S`) until every thread that Python did not start has a name of its own.
-    (This thread's id comes from ``threading.get_native_id()``: in a forked rank,
-    ``threading.main_thread().native_id`` is still the parent's.)"""
+    :data:`NAMING_WAIT_S`) while a thread that Python did not start carries this thread's name
+    and has run for less than :data:`JUST_STARTED_S` (a loop thread names itself as it starts).
+    Threads that keep the name for good (an OpenMP pool's workers) have run longer, and one
+    waited for in vain is not waited for again. (This thread's id comes from
+    ``threading.get_native_id()``: in a forked rank, ``threading.main_thread().native_id`` is
+    still the parent's.)"""
+    from dmlbook.cpu_wait import scheduler_clock
+
     me = threading.get_native_id()
     deadline = time.monotonic() + NAMING_WAIT_S
     while True:
         names = _thread_names()
-        ours = {t.native_id for t in threading.enumerate()} | {me}
-        unnamed = [tid for tid, name in names.items() if name == names.get(me) and tid not in ours]
+        ours = {t.native_id for t in threading.enumerate()} | {me} | _STRAYS
+        unnamed = [
+            tid
+            for tid, name in names.items()
+            if name == names.get(me)
+            and tid not in ours
+            and scheduler_clock([tid])[0] < JUST_STARTED_S
+        ]
+        if unnamed and time.monotonic() > deadline:
+            _STRAYS.update(unnamed)
         if not unnamed or time.monotonic() > deadline:
             return sorted(tid for tid, name in names.items() if name == LOOP_THREAD)
         time.sleep(0.001)
@@ -121,7 +138,9 @@ def set_loop_policy(policy: str) -> int:
     if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")):
         return 0
     kind = os.SCHED_IDLE if policy == "idle" else os.SCHED_OTHER
-    nice = {"normal": 0, "low": LOW_NICE, "idle": None}[policy]
+    # "normal": level with the calling thread (whose nice a new thread inherits), not nice 0
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    nice = {"normal": mine, "low": LOW_NICE, "idle": None}[policy]
     done = 0
     for tid in loop_threads():
         try:
@@ -136,8 +155,9 @@ def set_loop_policy(policy: str) -> int:
 
 def current_policy() -> str | None:
     """ "normal", "low" or "idle" when every gloo transport thread of this process is under it
-    ("low": nice 19 under ``SCHED_OTHER``; any other nice counts as "normal"), "mixed" when they
-    differ; None when there is none to ask (or no way to ask)."""
+    ("low": nice 19 under ``SCHED_OTHER``; any other nice counts as "normal", so in a process
+    that already runs at nice 19 the two are one), "mixed" when they differ; None when there is
+    none to ask (or no way to ask)."""
     if not hasattr(os, "sched_getscheduler"):
         return None
     found = set()
