@@ -37,7 +37,11 @@ pure waste: three test modules of collectives and data parallelism used 73-74 CP
 starts the threads, 56-57 with ``"low"`` and 53-60 with ``"idle"``. ``"low"`` did better than
 ``"normal"`` wherever the two did not overlap, and better than ``"idle"`` beside busy processes;
 ``"idle"`` did best on the quiet machine and with more ranks than cores, and worst beside busy
-processes. So the book's ranks use ``"low"`` unless told otherwise.
+processes. So the book's ranks use ``"low"`` unless told otherwise. Where ``"low"`` loses: large
+messages beside processes that want every core, since the loop thread moves their bytes. Beside
+two spinning processes a 16 MiB all-reduce's median was 12.9-33.7 ms at nice 19 against
+12.4-17.7 ms as gloo starts the threads (five rounds; equal in three, up to 2.4x in two):
+``DMLBOOK_GLOO_LOOP=normal`` is the choice there.
 
 ``DMLBOOK_GLOO_LOOP`` in the caller's environment (which every rank inherits) chooses another:
 every rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts (or that
