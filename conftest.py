@@ -111,9 +111,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _run_each_chapter_once(config, items) -> None:
     """A test marked ``runs_chapters(name, ...)`` runs every cell of those notebooks itself and
-    fails on any error, as nbval does: the concurrency test runs chapter 13 (twice, at
-    the same moment) and chapter 4, the browser test chapter 2, the hub test chapter 9 (four learners) and
-    the wheel test chapter 10. When it is selected and not skipped (a skip must be decided at
+    fails on any error, as nbval does: the concurrency test runs chapter 13 (twice, at the same
+    moment) and chapter 4, the browser test chapter 2, the hub test chapter 9 (four learners)
+    and the wheel test chapter 10. When it is selected and not skipped (a skip must be decided at
     collection, by a ``skipif`` mark, to count here), the notebooks' own cells are deselected:
     each chapter still runs, every cell checked, but not once more on its own. Run alone, a
     notebook runs as always."""

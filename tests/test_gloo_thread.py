@@ -27,7 +27,8 @@ def _policies_and_sums(n: int):
     ours, theirs = x.clone(), x.clone()
     collectives.all_reduce(ours)
     dist.all_reduce(theirs)
-    return policies, gloo_thread.current_policy(), ours, theirs
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # the rank's own nice
+    return policies, gloo_thread.current_policy(), ours, theirs, mine
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -35,7 +36,7 @@ def test_idle_puts_every_ranks_transport_thread_under_sched_idle(monkeypatch, wo
     monkeypatch.setenv(gloo_thread.ENV, "idle")
     results = run(_policies_and_sums, world_size, 1001, backend="gloo")
     expected = torch.arange(1001, dtype=torch.float32) * sum(range(1, world_size + 1))
-    for policies, current, ours, theirs in results:
+    for policies, current, ours, theirs, _ in results:
         assert policies and {kind for kind, _ in policies} == {os.SCHED_IDLE}  # found and set
         assert current == "idle"
         assert torch.equal(ours, expected) and torch.equal(theirs, expected)
@@ -44,13 +45,14 @@ def test_idle_puts_every_ranks_transport_thread_under_sched_idle(monkeypatch, wo
 def test_unset_puts_the_threads_at_low_and_normal_leaves_them_as_gloo_starts_them(monkeypatch):
     monkeypatch.delenv(gloo_thread.ENV, raising=False)
     expected = torch.arange(7, dtype=torch.float32) * 3
-    for policies, current, ours, theirs in run(_policies_and_sums, 2, 7, backend="gloo"):
+    for policies, current, ours, theirs, _ in run(_policies_and_sums, 2, 7, backend="gloo"):
         assert policies and set(policies) == {(os.SCHED_OTHER, gloo_thread.LOW_NICE)}
         assert current == "low" == gloo_thread.DEFAULT_POLICY
         assert torch.equal(ours, expected) and torch.equal(theirs, expected)
     monkeypatch.setenv(gloo_thread.ENV, "normal")
-    for policies, current, _, _ in run(_policies_and_sums, 2, 7, backend="gloo"):
-        assert policies and set(policies) == {(os.SCHED_OTHER, 0)} and current == "normal"
+    for policies, current, _, _, mine in run(_policies_and_sums, 2, 7, backend="gloo"):
+        assert policies and set(policies) == {(os.SCHED_OTHER, mine)}  # level with the rank
+        assert current == ("low" if mine == gloo_thread.LOW_NICE else "normal")
 
 
 def test_a_bad_setting_is_a_clear_error_in_the_caller(monkeypatch):

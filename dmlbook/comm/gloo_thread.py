@@ -22,8 +22,8 @@ for a core.
   level with it.
 * ``"low"`` (the default): nice 19, the lowest weight ``SCHED_OTHER`` has. A spinning loop
   thread then gets a small share of a contended core instead of an equal one, so the lock holder
-  it waits for gets the core sooner; yet the thread still gets its share, so it is never left
-  waiting for a core that stays busy.
+  it waits for gets the core sooner; yet, unlike ``SCHED_IDLE``, it keeps a share (a small one)
+  of a core that stays busy.
 * ``"idle"``: ``SCHED_IDLE``: the thread runs only on a core nobody else wants, and any other
   thread that wakes takes its core at once. Best on a quiet machine, worst on a busy one.
 
