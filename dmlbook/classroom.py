@@ -214,7 +214,7 @@ class GradingKernel:
             kernel_name="python3",
             timeout=self.timeout,
             allow_errors=True,
-            shutdown_kernel="immediate",
+            shutdown_kernel="graceful",  # it exits as a learner's does: its atexit work runs
             resources={"metadata": {"path": str(self.folder)}},
         )
         # nbclient's own (asynchronous) kernel manager: it notices a dead kernel within seconds

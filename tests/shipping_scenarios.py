@@ -8,6 +8,7 @@ module and the script, only in the caller's linecache for the cells.
 
 import json
 import linecache
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -82,6 +83,7 @@ def main() -> None:
         "script": error_text(script_level_fn),
         "hang": error_text(cell["cell_hang"], timeout=4),
     }
+    shutil.rmtree(module_dir)
     print("REPORT " + json.dumps(report))
 
 

@@ -1,5 +1,6 @@
 """Two runs of chapter 13 at the same moment, as on a class's server (a learner's run and a
-grader's), both pass and leave nothing behind: no namespace, veth, lab record or process.
+grader's), both pass and leave nothing behind: no namespace, veth, lab record, process or
+temporary file.
 
 Before each lab had a name of its own, the second run's ``netlab.down("ch13")`` deleted the first
 run's hosts ("Cannot open network namespace ch13-sw"). Two learners' runs start together, each an
@@ -86,7 +87,9 @@ def test_two_runs_at_once_pass_and_leave_nothing_behind(tmp_path, monkeypatch, b
     marker = f"DMLBOOK_CONCURRENT_RUN={uuid.uuid4().hex}"
     records = tmp_path / "labs"  # these runs' own records, so we know which labs were theirs
     veths = _root_veths()
-    env = dict(os.environ, MPLBACKEND="Agg", DMLBOOK_NETLAB_RECORDS=str(records))
+    temp = tmp_path / "tmp"  # the runs' temporary folder: what they leave there is checked
+    temp.mkdir()
+    env = dict(os.environ, MPLBACKEND="Agg", DMLBOOK_NETLAB_RECORDS=str(records), TMPDIR=str(temp))
     env.pop("PYTEST_ADDOPTS", None)
     env[marker.split("=")[0]] = marker.split("=")[1]
     runs = []
@@ -121,6 +124,7 @@ def test_two_runs_at_once_pass_and_leave_nothing_behind(tmp_path, monkeypatch, b
     assert not left, left
     assert _root_veths() <= veths
     assert list(records.iterdir()) == []
+    assert sorted(p.name for p in temp.iterdir()) == []  # no temporary folder or file
     # ... and both runs passed, every cell
     for name, log, proc in runs:
         text = log.read_text()

@@ -114,7 +114,7 @@ def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
     assert not (clone / ".venv").exists()
-    env = newcomer_env()  # no virtual environment active, nothing of ours on the path
+    env = newcomer_env(tmp_path)  # no virtual environment active, nothing of ours on the path
     # The README's command as it stands, but with BYTECODE= (empty): no .pyc compiled at install
     # for every module of the venv (23 CPU-seconds of a 2-core machine), written on first import
     # instead. The suite's own set-up (`make test` -> `make install`) compiles them every run.
@@ -156,8 +156,10 @@ def test_a_newcomer_sets_up_from_nothing_and_runs_a_chapter(tmp_path):
     assert where.stdout.strip().startswith(str(clone))
 
 
-def newcomer_env() -> dict[str, str]:
-    """A shell with no virtual environment active and nothing of this checkout's on the path."""
+def newcomer_env(tmp_path: Path) -> dict[str, str]:
+    """A shell with no virtual environment active and nothing of this checkout's on the path.
+    Its temporary files (uv's locks, torchrun's and the kernels' folders) go to the test's own
+    folder, which pytest removes."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -165,6 +167,8 @@ def newcomer_env() -> dict[str, str]:
     }
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != bin_dir)
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     return env
 
 
@@ -199,7 +203,7 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     # thousands) cost 23 CPU-seconds of a 2-core machine, where this venv's few processes import
     # a fraction of them. Python writes those .pyc files on first import instead, so the variable
     # that forbids it (set on CI) is left out of this venv's processes.
-    env = newcomer_env()
+    env = newcomer_env(tmp_path)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     times = {}
 

@@ -442,12 +442,14 @@ def test_in_place_when_environment_defines_the_ranks(monkeypatch):
     assert not dist.is_initialized()  # run() cleans up the group it created
 
 
-def test_torchrun_standalone_runs_the_same_function():
+def test_torchrun_standalone_runs_the_same_function(tmp_path):
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
+        "--log-dir",  # else torchrun leaves a torchelastic_* folder in /tmp
+        str(tmp_path),
         "--nproc-per-node",
         "2",
         str(REPO / "examples" / "hello_ranks.py"),

@@ -1,7 +1,6 @@
 """The one data-parallel loop (chapter 1): its callbacks fire in order, a fault reaches
 ``on_fault`` and the caller, and a weighted plan of unequal local batches equals one process."""
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,9 +68,8 @@ def _recorded(directory, crash_at=None):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_callbacks_fire_in_order_with_the_checkpoints_and_the_epochs(world):
-    directory = tempfile.mkdtemp(prefix="dmlbook-loop-")
-    for events, outcome in run(_recorded, world, directory):
+def test_callbacks_fire_in_order_with_the_checkpoints_and_the_epochs(world, tmp_path):
+    for events, outcome in run(_recorded, world, str(tmp_path)):
         assert outcome == "done"
         steps = SAMPLES // GLOBAL_BATCH * EPOCHS
         want = [("start", 0)]
@@ -86,9 +84,8 @@ def test_callbacks_fire_in_order_with_the_checkpoints_and_the_epochs(world):
         assert events == [*want, ("end", steps)]
 
 
-def test_a_fault_reaches_on_fault_then_the_caller():
-    directory = tempfile.mkdtemp(prefix="dmlbook-loop-")
-    events, outcome = run(_recorded, 1, directory, 5)[0]
+def test_a_fault_reaches_on_fault_then_the_caller(tmp_path):
+    events, outcome = run(_recorded, 1, str(tmp_path), 5)[0]
     assert outcome == "raised"
     assert events[-1] == ("fault", "rank 0 crashed after step 5, as asked")
     assert ("step", 5) in events and ("step_start", 5) not in events

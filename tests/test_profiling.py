@@ -140,7 +140,7 @@ def test_interval_arithmetic_on_hand_made_intervals():
     assert pr.overlap_fraction([], [(0, 1)]) == 0.0
 
 
-def test_intervals_and_splits_reject_bad_input():
+def test_intervals_and_splits_reject_bad_input(tmp_path):
     for bad in ([(2, 1)], [(0, float("nan"))], [(1, 2, 3)]):
         with pytest.raises(ValueError, match="interval"):
             pr.union(bad)
@@ -153,7 +153,7 @@ def test_intervals_and_splits_reject_bad_input():
     with pytest.raises(ValueError, match="global_batch"):
         pr.Job("x", samples=10, global_batch=11)
     with pytest.raises(ValueError, match="traceEvents"):
-        path = Path(tempfile.mkdtemp()) / "t.json"
+        path = tmp_path / "t.json"
         path.write_text("[]")
         pr.load_trace(path)
     with pytest.raises(ValueError, match="dmlbook.step"):

@@ -120,7 +120,9 @@ def bench_pipeline(
     """Our vanilla, GPipe and 1F1B pipelines against torch.distributed.pipelining's schedules.
 
     Per schedule and micro-batch count: the median step time, the median measured bubble
-    (idle fraction of the stages' timelines) beside the theory (P-1)/(M+P-1), and the step time
+    (idle fraction of the stages' timelines) and the least of any step (``bubble_best``: where
+    other work on the machine interrupted a step, a stage that waits for a CPU after each receive
+    idles longer) beside the theory (P-1)/(M+P-1), and the step time
     over torch's on the same stage module (vanilla is set against torch's GPipe with M = 1;
     ``ratio_vs_torch`` is None without ``versus_torch``).
     """
@@ -142,11 +144,12 @@ def bench_pipeline(
     print(
         f"pipeline step, {stages} stages, MLP {depth} x Linear({width}, {width}), batch {batch}, "
         f"median of {steps} steps (slowest stage), {_load_average()}\n"
-        "bubble: measured idle fraction; packed: the same op times with instant messages;\n"
-        "wait: a stage's time blocked in receives per step; msg: one activation's one-way time"
+        "bubble: measured idle fraction, the median and the least of any step (best);\n"
+        "packed: the same op times with instant messages; wait: a stage's time blocked in\n"
+        "receives per step; msg: one activation's one-way time"
     )
     print(
-        f"{'schedule':>8s} {'M':>3s} {'median':>10s} {'bubble':>7s} {'packed':>7s} "
+        f"{'schedule':>8s} {'M':>3s} {'median':>10s} {'bubble':>7s} {'best':>7s} {'packed':>7s} "
         f"{'theory':>7s} {'wait':>8s} {'msg':>8s} "
         + (f"{'torch':>10s} {'vs torch':>8s}" if versus_torch else "")
     )
@@ -157,7 +160,8 @@ def bench_pipeline(
         torch_s = statistics.median(measured[0][case]["torch"])  # nan without versus_torch
         ratio = step_s / torch_s if versus_torch else None
         per_step = list(zip(*(measured[r][case]["timelines"] for r in range(stages)), strict=True))
-        bubble = statistics.median(pp.measured_bubble(timelines) for timelines in per_step)
+        bubbles = [pp.measured_bubble(timelines) for timelines in per_step]
+        bubble = statistics.median(bubbles)
         # the same op durations with instant messages: what is left of the gap to the theory
         packed = statistics.median(pp.measured_bubble(pp.packed_timelines(t)) for t in per_step)
         theory = pp.bubble_theory(stages, m)
@@ -172,6 +176,7 @@ def bench_pipeline(
                 "microbatches": m,
                 "median_step_s": step_s,
                 "bubble_measured": bubble,
+                "bubble_best": min(bubbles),
                 "bubble_theory": theory,
                 "bubble_packed": packed,
                 "wait_s": wait_s,
@@ -180,7 +185,8 @@ def bench_pipeline(
             }
         )
         print(
-            f"{schedule:>8s} {m:3d} {1e3 * step_s:8.1f}ms {bubble:7.3f} {packed:7.3f} "
+            f"{schedule:>8s} {m:3d} {1e3 * step_s:8.1f}ms {bubble:7.3f} {min(bubbles):7.3f} "
+            f"{packed:7.3f} "
             f"{theory:7.3f} {1e3 * wait_s:6.1f}ms {1e3 * message_s:6.2f}ms "
             + (f"{1e3 * torch_s:8.1f}ms {ratio:7.2f}x" if versus_torch else "")
         )

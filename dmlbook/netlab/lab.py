@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 from dmlbook.netlab import claims
@@ -262,13 +263,17 @@ class Lab:
         *script_and_args: str,
         port: int = 29400,
         job: str = "netlab",
+        log_dir: str | None = None,
     ) -> list[str]:
         """The torchrun command line that makes ``host`` one node of a job over every host.
 
         h0 hosts the c10d rendezvous. On real machines torchrun recognises the rendezvous
         host by its name; inside a namespace every host has the machine's name, so we say
         which one it is (``is_host``) and which address each node has (``--local-addr``).
+        ``log_dir`` is torchrun's ``--log-dir``; without it torchrun makes a ``torchelastic_*``
+        folder in the temporary directory and leaves it there.
         """
+        logs = [] if log_dir is None else ["--log-dir", log_dir]
         return [
             sys.executable,
             "-m",
@@ -287,6 +292,7 @@ class Lab:
             f"is_host={int(self.namespace(host) == self.namespace(0))}",
             "--local-addr",
             self.address(host),
+            *logs,
             *script_and_args,
         ]
 
@@ -297,27 +303,33 @@ class Lab:
 
         Raises :class:`NetlabError` with the output of the hosts that failed. ``kwargs`` go to
         :class:`subprocess.Popen` (``cwd``, ``env``); ranks get one thread each by default.
+        torchrun's own log folders go to a temporary folder that is removed after the job.
         """
         kwargs.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
-        procs = [
-            self.popen(
-                host,
-                self.torchrun(host, nproc_per_node, *script_and_args),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                **kwargs,
-            )
-            for host in self.names
-        ]
-        try:
-            logs = [p.communicate(timeout=timeout)[0] for p in procs]
-        except subprocess.TimeoutExpired as e:
-            raise NetlabError(f"the torchrun job ran past {timeout} s") from e
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+        with tempfile.TemporaryDirectory(
+            prefix="dmlbook-torchrun-", ignore_cleanup_errors=True
+        ) as log_dir:
+            procs = [
+                self.popen(
+                    host,
+                    self.torchrun(
+                        host, nproc_per_node, *script_and_args, log_dir=f"{log_dir}/{host}"
+                    ),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    **kwargs,
+                )
+                for host in self.names
+            ]
+            try:
+                logs = [p.communicate(timeout=timeout)[0] for p in procs]
+            except subprocess.TimeoutExpired as e:
+                raise NetlabError(f"the torchrun job ran past {timeout} s") from e
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.wait()
         failed = [
             (h, p.returncode, log)
             for h, p, log in zip(self.names, procs, logs, strict=True)

@@ -51,6 +51,7 @@ def torchrun_command(
         cmd += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                 "--rdzv-id", job, "--rdzv-conf", conf.strip(",")]  # fmt: skip
         cmd += [] if local_addr is None else ["--local-addr", local_addr]
+    cmd += ["--log-dir", str(Path(run_dir) / "torchrun-logs")]  # else a torchelastic_* in /tmp
     return [*cmd, SCRIPT, str(run_dir), *script_args]
 
 
