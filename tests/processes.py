@@ -1,5 +1,5 @@
-"""Process checks that the launcher's and the sessions' tests share: is a pid still running, and
-are all of these gone (no orphans)."""
+"""What runs leave behind, as the launcher's, the sessions' and the class tests check it: is a pid
+still running, are all of these gone (no orphans), and what is left in a run's temporary folder."""
 
 import time
 from pathlib import Path
@@ -20,3 +20,10 @@ def assert_gone(pids: list[int], within: float = 3.0) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+def left_in_temp(folder: Path) -> list[str]:
+    """What a run left in the TMPDIR it was given, but torch's per-user compile cache
+    (``torchinductor_<user>``, made when a torch.optim step first imports torch._dynamo, and kept
+    across a user's runs as torch means it)."""
+    return sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("torchinductor_"))

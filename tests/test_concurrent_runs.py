@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import left_in_temp
 
 from dmlbook import netlab
 
@@ -124,10 +125,7 @@ def test_two_runs_at_once_pass_and_leave_nothing_behind(tmp_path, monkeypatch, b
     assert not left, left
     assert _root_veths() <= veths
     assert list(records.iterdir()) == []
-    # no temporary folder or file, but torch's per-user compile cache (torchinductor_<user>, made
-    # when a torch.optim step first imports torch._dynamo: kept across runs, as torch means it)
-    left = sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_"))
-    assert left == [], left
+    assert left_in_temp(temp) == []  # no temporary folder or file (but torch's compile cache)
     # ... and both runs passed, every cell
     for name, log, proc in runs:
         text = log.read_text()

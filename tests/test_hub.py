@@ -41,6 +41,7 @@ from hub import (  # noqa: E402
     run_at_once,
     start_hub,
 )
+from processes import left_in_temp  # noqa: E402
 
 CHAPTER = "09_hybrid_parallelism"
 
@@ -285,12 +286,10 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
         assert not ours, f"ports still held by the run's processes: {ours}"
         if holders:
             print(f"ports of the run now held by other jobs: {holders}")
-        # torch's compile cache (torchinductor_<user>) stays by design, shared by a user's runs
-        leftovers = [
-            p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")
-        ]
+        leftovers = left_in_temp(tmp_path / "tmp")  # torch's compile cache may stay
         assert not leftovers, (
-            f"the run's TMPDIR still holds {[(p.name, os.listdir(p)) for p in leftovers]}; "
+            f"the run's TMPDIR still holds "
+            f"{[(name, os.listdir(tmp_path / 'tmp' / name)) for name in leftovers]}; "
             f"it held {phases}"
         )
     finally:
