@@ -33,7 +33,14 @@ class _Comm:
     whose calls its exercise checker counts). Calling the process group's own ``send``/``recv``
     would skip their argument checks, about 7 microseconds a call here; a 64 KiB ring
     all-reduce at world size 2 (four calls, about 0.4 ms) came out 3-30 microseconds faster,
-    within the machine's noise, so the ring keeps the primitive it teaches."""
+    within the machine's noise, so the ring keeps the primitive it teaches.
+
+    A finished receive's ``Work`` is kept (``received``) until :meth:`wait_all` or the end of
+    the collective, as a ring written inline keeps its last one. Freed as soon as its step was
+    done (the reduce-scatter returning, its list of receives gone), the all-gather after it
+    took 0.01-0.07 ms longer to post and finish on gloo at world size 2 (64 KiB and 1 MiB, two
+    launches of 500 interleaved calls each, ``time.perf_counter`` between the calls); kept, it
+    took as long as after the inline ring (within 0.02 ms)."""
 
     def __init__(self, group, collective: str) -> None:
         world = dist.group.WORLD
@@ -47,6 +54,7 @@ class _Comm:
         self.collective = collective
         self.pending: list[dist.Work] = []
         self.in_flight: list[torch.Tensor] = []  # tensors made just to be sent, kept until sent
+        self.received: list[dist.Work] = []  # finished receives, freed together at the end
         self._me = self.global_rank(self.rank) if self.rank >= 0 else -1
 
     def member(self) -> bool:
@@ -87,7 +95,9 @@ class _Comm:
         """Start receiving into ``t`` from group rank ``peer``; wait on what it returns."""
         if t.numel() == 0:
             return None
-        return dist.irecv(t, self.global_rank(peer), self.group, step)
+        work = dist.irecv(t, self.global_rank(peer), self.group, step)
+        self.received.append(work)
+        return work
 
     def recv(self, t: torch.Tensor, peer: int, step: int) -> None:
         work = self.irecv(t, peer, step)
@@ -99,6 +109,7 @@ class _Comm:
             work.wait()
         self.pending.clear()
         self.in_flight.clear()
+        self.received.clear()
 
 
 def _check_tensor(tensor, name: str = "tensor") -> None:
