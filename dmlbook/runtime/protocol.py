@@ -20,10 +20,6 @@ Used by every chapter through :func:`dmlbook.launch.run` and, for ranks that liv
 A rank finds the descriptors it was given beyond stdout and stderr (a session's end of its
 channel) in the environment variable :data:`PASSED_FDS`, whether the helper forked it or the
 caller spawned it.
-
-* **A pipe from every forked rank to the helper.** As it leaves, a rank names in one line which
-  of torch's larger packages (:data:`WARM_LATER`) it imported (:func:`report_imports`), and the
-  helper imports them for the ranks that come next (:mod:`dmlbook.runtime.zygote`).
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ import pickle
 import signal
 import socket
 import struct
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,11 +39,9 @@ __all__ = [
     "PASSED_FDS",
     "PAYLOAD",
     "STORE",
-    "WARM_LATER",
     "Channel",
     "Shown",
     "error_file",
-    "report_imports",
     "result_file",
     "stack_file",
     "write_atomic",
@@ -60,35 +53,6 @@ STORE = "store"  # the FileStore the ranks rendezvous on
 # A rank's file descriptors beyond stdout and stderr (a session's control channel), as the rank
 # finds them: comma-separated numbers in this environment variable.
 PASSED_FDS = "DMLBOOK_PASSED_FDS"
-
-
-# torch's packages that only some chapters' ranks import: the helper imports one once a rank it
-# forked has (1.15 CPU-seconds for the four here, on top of torch's 1.9).
-WARM_LATER = (
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "torch.distributed.pipelining",
-)
-_report_fd: int | None = None  # in a rank the helper forked: its end of the helper's pipe
-
-
-def report_to(fd: int) -> None:
-    """In a rank the helper just forked: :func:`report_imports` writes to ``fd``."""
-    global _report_fd
-    _report_fd = fd
-
-
-def report_imports() -> None:
-    """In a rank the helper forked, as it leaves: tell the helper which of :data:`WARM_LATER`
-    this rank imported. Elsewhere (a spawned rank, a torchrun worker), nothing."""
-    names = [name for name in WARM_LATER if name in sys.modules]
-    if _report_fd is None or not names:
-        return
-    try:  # one short write (under PIPE_BUF): ranks that leave together never mix their lines
-        os.write(_report_fd, (" ".join(names) + "\n").encode())
-    except OSError:  # the helper is gone
-        pass
 
 
 def result_file(workdir: Path, rank: int) -> Path:
