@@ -1,7 +1,6 @@
 """The rank launcher: results, failures, hangs, orphans, bad arguments and torchrun mode."""
 
 import _thread
-import importlib
 import linecache
 import os
 import signal
@@ -592,30 +591,6 @@ def test_a_helper_told_to_stay_for_ever_still_hears_a_new_idle_time(monkeypatch)
         _wait_for(lambda: helper.process.poll() is not None, 30, "the helper did not leave")
     finally:
         launch.set_helper_idle_timeout(None)
-
-
-def torch_packages_found(then_import: str | None = None) -> list[str]:
-    """Which of the helper's later imports this rank found imported already; then import one."""
-    found = [name for name in zygote.WARM_LATER if name in sys.modules]
-    if then_import:
-        importlib.import_module(then_import)
-    return found
-
-
-def test_the_helper_imports_torchs_larger_packages_only_once_a_rank_has_used_them():
-    if not zygote.enabled():
-        pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")
-    zygote.helper().close()  # a fresh helper, which has imported none of them
-    assert run(torch_packages_found, 2) == [[], []]
-    time.sleep(0.5)  # time in which it imported them unasked, as it did before
-    # these ranks import DTensor (and nothing else of the four) and say so as they leave ...
-    assert run(torch_packages_found, 2, "torch.distributed.tensor") == [[], []]
-    # ... so the helper imports it while it waits, and the ranks that come next find it there
-    _wait_for(
-        lambda: run(torch_packages_found, 1) == [["torch.distributed.tensor"]],
-        30,
-        "the helper did not import what its ranks used",
-    )
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.comm import gloo_thread
-from dmlbook.runtime import protocol, rank_server, shipping, zygote
+from dmlbook.runtime import protocol, rank_server, shipping
 from dmlbook.runtime.failures import failure_report
 
 
@@ -89,7 +89,6 @@ def _exit(code: int, parent_pid: int, workdir: Path) -> None:
     (pytorch#56297). The caller kills what this rank started; if the caller is gone, we do."""
     if os.getppid() != parent_pid:
         _orphaned(workdir)
-    zygote.report_imports()  # a forked rank tells its helper which of torch's packages it used
     exit_now(code)
 
 

@@ -11,15 +11,6 @@ Every chapter's ranks start here.
   standard-library leaf :mod:`dmlbook.runtime.protocol`, so a rank runs the package's current
   source, as a freshly spawned one would: the child imports :mod:`dmlbook.runtime.rank_process`
   after the fork.
-* torch's larger packages that some chapters' ranks import (:data:`WARM_LATER`: FSDP, DTensor,
-  distributed checkpointing, pipelining) cost 1.15 CPU-seconds more, on top of torch's 1.9 here,
-  and most chapters never use them. The helper imports one only once a rank it forked has
-  used it: each rank names, as it leaves (:func:`report_imports`), those it imported, over a
-  pipe that every forked rank inherits, and the helper imports them while it waits for the
-  next request. The first launch that needs one pays it in each rank (0.5-1.1 CPU-seconds);
-  every later one finds it in the helper. Importing all four up front in every helper cost
-  the test suite, which starts 30-40 helpers, about 40 CPU-seconds, and took a core from a
-  chapter's first ranks while they ran.
 * Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
   with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
   Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's. A
@@ -58,8 +49,7 @@ from dmlbook.runtime.protocol import PASSED_FDS
 
 # Imported before the helper says it is ready (every rank needs them) ...
 PRELOAD = ("torch", "torch.distributed", "numpy", "cloudpickle")
-# ... and these while it is idle, once a rank has imported them: torch's own packages that some
-# chapters' ranks import.
+# ... and these while it is idle: torch's own packages that chapters' ranks import.
 WARM_LATER = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
@@ -71,7 +61,6 @@ _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 3
 IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
 IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
-_REPORT_FD: int | None = None  # in a forked rank: where it names the WARM_LATER it imported
 
 
 # --------------------------------------------------------------------------- the helper's side
@@ -86,25 +75,15 @@ def serve(fd: int) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)  # SIGCHLD makes select return
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    report_r, report_w = os.pipe()  # every forked rank names here what it imported
-    os.set_blocking(report_r, False)
     for name in PRELOAD:
         __import__(name)
     sock.send(pickle.dumps(("ready", os.getpid())))
-    warm_later: list[str] = []
+    warm_later = list(WARM_LATER)
     while True:
-        waiting = [sock, wake_r, report_r]
-        readable, _, _ = select.select(waiting, [], [], 0 if warm_later else None)
+        readable, _, _ = select.select([sock, wake_r], [], [], 0 if warm_later else None)
         if wake_r in readable:
             while _read_nonblocking(wake_r):
                 pass
-        if report_r in readable:
-            reports = b""
-            while chunk := _read_nonblocking(report_r):  # every line written so far, whole
-                reports += chunk
-            for name in reports.decode().split():
-                if name in WARM_LATER and name not in sys.modules and name not in warm_later:
-                    warm_later.append(name)
         _reap_children(sock)
         if sock in readable:
             message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
@@ -113,25 +92,12 @@ def serve(fd: int) -> None:
             request_id, argv, env = pickle.loads(message)
             pid = os.fork()
             if pid == 0:
-                _become_rank(argv, env, fds, (sock.fileno(), wake_r, wake_w, report_r), report_w)
+                _become_rank(argv, env, fds, close=(sock.fileno(), wake_r, wake_w))
             for f in fds:
                 os.close(f)
             sock.send(pickle.dumps(("started", request_id, pid)))
         elif not readable and warm_later:
             __import__(warm_later.pop(0))
-
-
-def report_imports() -> None:
-    """In a rank forked by the helper, as it leaves: tell the helper which of :data:`WARM_LATER`
-    this rank imported, so that it imports them for the ranks that come next. Elsewhere (a
-    spawned rank, a torchrun worker), nothing."""
-    names = [name for name in WARM_LATER if name in sys.modules]
-    if _REPORT_FD is None or not names:
-        return
-    try:  # one short write (under PIPE_BUF): ranks that leave together never mix their lines
-        os.write(_REPORT_FD, (" ".join(names) + "\n").encode())
-    except OSError:  # the helper is gone
-        pass
 
 
 def _read_nonblocking(fd: int) -> bytes:
@@ -156,13 +122,10 @@ def _reap_children(sock: socket.socket) -> None:
             os._exit(0)
 
 
-def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close, report: int) -> None:
+def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) -> None:
     """In the forked child: become what a spawned rank (``python -c`` of
-    :data:`dmlbook.runtime.rank_group.RANK_MAIN`) would have been, then run it. Never returns.
-    ``report`` stays open: :func:`report_imports` writes there."""
-    global _REPORT_FD
+    :data:`dmlbook.runtime.rank_group.RANK_MAIN`) would have been, then run it. Never returns."""
     try:
-        _REPORT_FD = report
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
