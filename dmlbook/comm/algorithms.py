@@ -351,8 +351,14 @@ def _naive_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
 # recursive doubling beat the ring up to 1 MiB (world 4, 256 KiB: 0.65x gloo's time against
 # 1.55x) and lost from 2 MiB on (world 4, 2 MiB: 0.97x against 0.71x; 16 MiB: 1.43x against
 # 1.16x), where its log2(p) whole-tensor exchanges send more bytes than the ring's 2(p-1)/p. At
-# 2 ranks both send the same bytes and recursive doubling takes one step instead of two: it was
-# never slower, from 16 KiB (0.65x gloo against 1.63x) to 64 MiB (0.95x against 1.01x).
+# 2 ranks both send the same bytes, and recursive doubling takes one step instead of two, but each
+# rank adds the whole tensor where the ring's adds half of it (and overlaps that with its
+# receives). With gloo's threads at nice 19 (comm/gloo_thread.py) and the ring holding its
+# receives to the end (p2p._Comm), two `bench allreduce` runs (medians, ms) put them level at
+# 2 MiB (ring 1.52-1.93, recursive doubling 1.58-1.72), and the ring ahead from 4 MiB (2.09-2.51
+# against 2.93-3.25; 8 MiB 5.2-6.4 against 6.7; 32 MiB 19.0-19.2 against 20.3-20.9), as in three
+# runs at 64 MiB (1.04-1.09x gloo against 1.23-1.26x); below, recursive doubling stays ahead (64
+# KiB: 0.71-0.76x gloo against 1.19-1.25x). So the crossing holds for 2 ranks too.
 AUTO_RING_FROM_BYTES = 2 << 20
 
 
@@ -360,8 +366,9 @@ def choose_all_reduce(nbytes: int, world_size: int) -> str:
     """What ``algorithm="auto"`` runs for ``nbytes`` over ``world_size`` ranks (chapter 4).
 
     Every rank must choose alike, so the choice depends only on what the ranks agree on (the
-    tensor's size, checked, and the group's size)."""
-    if world_size <= 2 or nbytes < AUTO_RING_FROM_BYTES:
+    tensor's size, checked, and the group's size). On this machine the crossing measured the
+    same for 2, 3 and 4 ranks, so only the size decides; NCCL's tuning weighs both."""
+    if nbytes < AUTO_RING_FROM_BYTES:
         return "recursive_doubling"
     return "ring"
 
