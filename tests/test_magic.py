@@ -22,6 +22,18 @@ def shell():
     sys.displayhook, sys.excepthook = hooks
 
 
+def three_ranks(shell):
+    """What the tests after the first start from: the extension loaded and 3 ranks running. The
+    tests run in order, each going on from the last (as a notebook's cells do), so this does
+    nothing there; it lets one of them run alone."""
+    magics = shell.magics_manager.registry.get("RanksMagics")
+    if magics is None:
+        run(shell, "%load_ext dmlbook")
+        magics = shell.magics_manager.registry["RanksMagics"]
+    if magics.session is None or not magics.session.running:
+        run(shell, "%ranks start 3 --timeout 30")
+
+
 def run(shell, source: str):
     """Run a cell; return its result (the value shown as Out), raising what it raised."""
     result = shell.run_cell(source)
@@ -59,6 +71,7 @@ def test_magic_commands_and_state_across_cells(shell, capsys):
 
 
 def test_a_failing_cell_shows_the_cells_own_line_and_the_ranks_go_on(shell, capsys):
+    three_ranks(shell)
     run(shell, "%%ranks\nkept = rank")
     cell = "%%ranks\nx = 1\nif rank == 1:\n    y = undefined_name\n"
     with pytest.raises(RankError) as info:
@@ -77,6 +90,7 @@ def test_a_failing_cell_shows_the_cells_own_line_and_the_ranks_go_on(shell, caps
 def test_mistakes_are_usage_errors(shell, capsys):
     from IPython.core.error import UsageError
 
+    three_ranks(shell)
     for line in ("%ranks", "%ranks bogus", "%ranks start", "%ranks start two",
                  "%ranks start 3", "%ranks push not_defined_here", "%ranks pull a b",
                  "%ranks pull x --on 0,x"):  # fmt: skip
@@ -99,6 +113,7 @@ def _raised(shell, source):
 
 
 def test_restart_stop_and_a_dead_rank(shell, capsys):
+    three_ranks(shell)
     run(shell, "%ranks restart")
     assert "3 new ranks started" in capsys.readouterr().out
     with pytest.raises(RankError, match="name 'kept' is not defined"):  # the state went

@@ -416,6 +416,7 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
     records = json.loads(path.read_text())
     keys = {"schedule", "stages", "microbatches", "median_step_s", "bubble_measured", "bubble_best"}
     keys |= {"bubble_theory", "bubble_packed", "wait_s", "message_s", "ratio_vs_torch"}
+    keys |= {"cores_busy"}
     assert [(r["schedule"], r["microbatches"]) for r in records] == [
         ("vanilla", 1),
         ("gpipe", 2),
@@ -428,6 +429,7 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
         assert 0 <= r["bubble_packed"] <= r["bubble_measured"] + 1e-12
         assert r["wait_s"] >= 0 and r["message_s"] > 0
         assert r["bubble_theory"] == pytest.approx(1 / (r["microbatches"] + 1))
+    assert len({r["cores_busy"] for r in records}) == 1 and 0 <= records[0]["cores_busy"] <= 1
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.bench.common import _load_average, _write_json
+from dmlbook.cpu_wait import cpu_wait_in_burst
 from dmlbook.launch import device, run
 from dmlbook.models import mlp
 
@@ -72,6 +73,7 @@ def _pipeline_step_times(
         return elapsed.item(), result
 
     out = {case: {"ours": [], "torch": [], "timelines": [], "wait": []} for case in cases}
+    before = cpu_wait_in_burst()  # did every stage have a core of its own, before and after?
     for i in range(warmup + steps):
         for case in cases[i % len(cases) :] + cases[: i % len(cases)]:  # rotate the order
             ours_s, result = timed(ours.train_step, x, y, loss_fn, case[1], case[0])
@@ -81,6 +83,7 @@ def _pipeline_step_times(
                 out[case]["torch"].append(torch_s)
                 out[case]["timelines"].append(result.timeline)
                 out[case]["wait"].append(result.wait_s)
+    out["cores_busy"] = max(before, cpu_wait_in_burst())
     out["message_s"] = {m: one_message_s(batch // m, width, dev) for _, m in cases}
     return out
 
@@ -124,7 +127,11 @@ def bench_pipeline(
     other work on the machine interrupted a step, a stage that waits for a CPU after each receive
     idles longer) beside the theory (P-1)/(M+P-1), and the step time
     over torch's on the same stage module (vanilla is set against torch's GPipe with M = 1;
-    ``ratio_vs_torch`` is None without ``versus_torch``).
+    ``ratio_vs_torch`` is None without ``versus_torch``). ``cores_busy`` (the same in every
+    record) is the largest share of a short compute burst that a stage spent waiting for a CPU,
+    before and after the timed steps (:func:`dmlbook.cpu_wait.cpu_wait_in_burst`): near 0 where
+    each stage had a core of its own; stages that share cores with other work cannot overlap,
+    and their bubble then says more about that work than about the schedule.
     """
     from dmlbook.model_parallel import pipeline as pp
 
@@ -143,7 +150,8 @@ def bench_pipeline(
     )
     print(
         f"pipeline step, {stages} stages, MLP {depth} x Linear({width}, {width}), batch {batch}, "
-        f"median of {steps} steps (slowest stage), {_load_average()}\n"
+        f"median of {steps} steps (slowest stage), {_load_average()}; a compute burst lost up "
+        f"to {measured[0]['cores_busy']:.0%} waiting for a CPU (before and after)\n"
         "bubble: measured idle fraction, the median and the least of any step (best);\n"
         "packed: the same op times with instant messages; wait: a stage's time blocked in\n"
         "receives per step; msg: one activation's one-way time"
@@ -182,6 +190,7 @@ def bench_pipeline(
                 "wait_s": wait_s,
                 "message_s": message_s,
                 "ratio_vs_torch": ratio,
+                "cores_busy": measured[0]["cores_busy"],
             }
         )
         print(
