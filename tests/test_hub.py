@@ -10,8 +10,10 @@ One test (marker ``hub``), in this order, because each step needs the one before
    free-port race of Jupyter's kernels on a busy machine, is started again once, and shown);
    these four runs are the session's nbval runs of chapter 9 (marker ``runs_chapters``);
 3. the instructor makes chapter 9 an assignment with nbgrader's own commands and releases it; the
-   learners fetch it and submit: two blank, one solved, one with a planted wrong answer; the
-   instructor collects and autogrades, and the gradebook holds 0, 0, full and partial marks;
+   learners fetch it and submit from their own servers, as JupyterLab's Assignments tab does
+   (nbgrader's extension in each server, through the hub's proxy): two blank, one solved, one
+   with a planted wrong answer; the instructor collects and autogrades with nbgrader's commands,
+   and the gradebook holds 0, 0, full and partial marks;
 4. the hub shuts down, and no process of the run (hub, proxy, servers, kernels, rank helpers,
    ranks), no port it listened on and nothing in its TMPDIR is left.
 """
@@ -212,16 +214,28 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
         solution = nbformat.read(course / "source" / ASSIGNMENT / f"{CHAPTER}.ipynb", 4)
 
         def learner_round(name: str) -> None:
+            """Fetch and submit as JupyterLab's Assignments tab does: a POST to nbgrader's
+            extension in the learner's own server, through the hub's proxy."""
             home = tmp_path / "homes" / name
-            learner = dict(env, HOME=str(home), USER=name)
-            nbgrader("fetch_assignment", ASSIGNMENT, cwd=home, env=learner)
+            # nbgrader names the learner by the Unix account; here all share one, so each
+            # learner's folder says who they are (what `nbgrader submit --student` would)
+            (home / "nbgrader_config.py").write_text(
+                f"c.CourseDirectory.student_id = {name!r}\n"
+            )
+            form = {"course_id": "dmlbook", "assignment_id": ASSIGNMENT}
             fetched = home / ASSIGNMENT / f"{CHAPTER}.ipynb"
+            r = hub.api("POST", f"/user/{name}/assignments/fetch", hub.tokens[name], data=form)
+            assert r.ok and fetched.exists(), f"{name}'s fetch: {r.status_code} {r.text[:2000]}"
             if name in ("solved", "wrong"):
                 notebook = nbformat.read(fetched, 4)
                 answer(notebook, solution, plant_wrong=name == "wrong")
                 nbformat.write(notebook, fetched)
-            # nbgrader names the learner by the Unix account; here all share one, so --student
-            nbgrader("submit", ASSIGNMENT, f"--student={name}", cwd=home, env=learner)
+            r = hub.api("POST", f"/user/{name}/assignments/submit", hub.tokens[name], data=form)
+            listed = r.json() if r.ok else {}  # the tab's list: released, then submitted
+            assert listed.get("success") and any(
+                a["assignment_id"] == ASSIGNMENT and a["status"] == "submitted"
+                for a in listed["value"]
+            ), f"{name}'s submit: {r.status_code} {r.text[:4000]}"
 
         # the four learners fetch and submit at the same time, as a class does before a deadline
         with ThreadPoolExecutor(len(LEARNERS)) as pool:
