@@ -219,9 +219,7 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
             home = tmp_path / "homes" / name
             # nbgrader names the learner by the Unix account; here all share one, so each
             # learner's folder says who they are (what `nbgrader submit --student` would)
-            (home / "nbgrader_config.py").write_text(
-                f"c.CourseDirectory.student_id = {name!r}\n"
-            )
+            (home / "nbgrader_config.py").write_text(f"c.CourseDirectory.student_id = {name!r}\n")
             form = {"course_id": "dmlbook", "assignment_id": ASSIGNMENT}
             fetched = home / ASSIGNMENT / f"{CHAPTER}.ipynb"
             r = hub.api("POST", f"/user/{name}/assignments/fetch", hub.tokens[name], data=form)
