@@ -181,15 +181,54 @@ def _nbgrader(cell) -> dict:
     return cell.get("metadata", {}).get("nbgrader", {})
 
 
+# Forget every name the last chapter's cells bound and work in the next chapter's folder. What a
+# kernel keeps besides its names (imported modules, the warm rank helper) is the same code a
+# fresh kernel would load, and the test above shows each chapter's exercises read no name but
+# those of their own first cell and exercise section.
+_FRESH_NAMESPACE = """\
+%reset -f
+import os as _os
+import matplotlib.pyplot as _plt
+_plt.close("all")
+_os.chdir({folder!r})
+del _os, _plt
+"""
+
+
+@pytest.fixture(scope="module")
+def grading_kernel(tmp_path_factory):
+    """One kernel for every chapter's exercises below. A kernel of its own per chapter cost 14
+    kernels and 14 rank helpers, each importing torch (52 of the module's CPU-seconds here went
+    to these 14 tests); a kernel that died is replaced before the next chapter."""
+    kernels = []
+    reset = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell()])
+
+    def kernel_for(folder: Path) -> classroom.GradingKernel:
+        reset.cells[0].source = _FRESH_NAMESPACE.format(folder=str(folder))
+        for _ in range(2):
+            if not kernels:
+                kernel = classroom.GradingKernel(tmp_path_factory.mktemp("kernel"))
+                kernels.append(kernel.__enter__())
+            done = kernels[-1].run(reset, "reset")
+            if done.errors == []:
+                return kernels[-1]
+            kernels.pop().__exit__(None, None, None)  # it died, or cannot forget: a new one
+        raise AssertionError(f"a fresh kernel could not start in {folder}: {done.errors}")
+
+    yield kernel_for
+    for kernel in kernels:
+        kernel.__exit__(None, None, None)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_fails(
-    path, tmp_path
+    path, tmp_path, grading_kernel
 ):
-    """In one kernel, in the student copy's folder, as a learner would: the student copy's first
-    code cell and exercises (every exercise "not attempted", nothing else failing); then the
-    solutions' exercise cells (all "passed"); then a planted wrong answer to exercise 1 (graded
-    "failed", with the checker's message).
+    """In the module's kernel, its names forgotten, in the student copy's folder, as a learner
+    would: the student copy's first code cell and exercises (every exercise "not attempted",
+    nothing else failing); then the solutions' exercise cells (all "passed"); then a planted
+    wrong answer to exercise 1 (graded "failed", with the checker's message).
 
     The chapter's body is not run again here: the test above shows the exercises need nothing
     of it but the first cell, and nbval runs it (and the solutions' hidden tests) from the top.
@@ -199,12 +238,12 @@ def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_f
     solution = nbformat.read(path, as_version=4)
     answers = [c for c in solution.cells if _nbgrader(c).get("solution")]
     blank_cells = [_first_code_cell(student), *_exercise_cells(student)]
-    with classroom.GradingKernel(tmp_path) as kernel:
-        blank = kernel.run(nbformat.v4.new_notebook(cells=blank_cells), path.name)
-        solved = kernel.run(nbformat.v4.new_notebook(cells=_exercise_cells(solution)), path.name)
-        planted_cells = [_plant_wrong_answer(nbformat.from_dict(answers[0]))]
-        planted_cells.append(solution.cells[solution.cells.index(answers[0]) + 1])
-        planted = kernel.run(nbformat.v4.new_notebook(cells=planted_cells), path.name)
+    kernel = grading_kernel(tmp_path)
+    blank = kernel.run(nbformat.v4.new_notebook(cells=blank_cells), path.name)
+    solved = kernel.run(nbformat.v4.new_notebook(cells=_exercise_cells(solution)), path.name)
+    planted_cells = [_plant_wrong_answer(nbformat.from_dict(answers[0]))]
+    planted_cells.append(solution.cells[solution.cells.index(answers[0]) + 1])
+    planted = kernel.run(nbformat.v4.new_notebook(cells=planted_cells), path.name)
 
     assert blank.errors == [], "the student copy's cells must run"
     assert len(blank.exercises) == len(answers) >= 2
