@@ -50,10 +50,12 @@ $(STAMP): pyproject.toml $(LOCK) | $(UV)
 install: $(STAMP)
 
 # requirements.lock from pyproject.toml's ranges: the newest versions they allow today, for
-# Python $(LOCK_PYTHON) with torch's CPU build. Commit the result; environment.yml reads it too.
-lock: lock-constraints.txt | $(UV)
+# Python $(LOCK_PYTHON) with torch's CPU build, less what lock-overrides.txt leaves out (and says
+# why). Commit the result; environment.yml reads it too.
+lock: lock-constraints.txt lock-overrides.txt | $(UV)
 	$(UV) pip compile pyproject.toml --extra dev --extra classroom --python-version $(LOCK_PYTHON) --quiet \
-		$(TORCH_SOURCE) --constraint lock-constraints.txt --no-emit-find-links \
+		$(TORCH_SOURCE) --constraint lock-constraints.txt --overrides lock-overrides.txt \
+		--no-emit-find-links \
 		--custom-compile-command "make lock" --output-file $(LOCK)
 
 # JupyterLab refuses to run as root without --allow-root (containers, cloud VMs).
