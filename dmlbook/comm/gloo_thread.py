@@ -28,8 +28,9 @@ for a core.
   thread that wakes takes its core at once. Best on a quiet machine, worst on a busy one.
 
 Measured on the 2-core reference machine (chapter 4 shows the first on the machine at hand; the
-README gives the rest): quiet, a 1 or 64 KiB round trip or ``dist.all_reduce`` took over 2 ms
-in 10-38% of calls as gloo starts the threads, 2-12% with ``"low"`` and 0-1% with ``"idle"``.
+README and docs/performance-log.md give the rest): quiet, a 1 or 64 KiB round trip or
+``dist.all_reduce`` took over 2 ms in 10-38% of calls as gloo starts the threads, 2-12% with
+``"low"`` and 0-1% with ``"idle"``.
 Beside two busy processes, a 1 or 64 KiB ``dist.all_reduce`` took over 2 ms in 30-42% of calls
 (normal), 8-23% (low) and 8-63% (idle, with a 1 KiB median of 4 ms in one run). And where a
 job's own ranks outnumber the cores (world size 3 and 4 on 2 cores), spinning loop threads are
