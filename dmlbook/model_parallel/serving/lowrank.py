@@ -16,12 +16,14 @@ is closer to ``W`` (in the Frobenius norm): the error is the root of the dropped
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
+
+from dmlbook.notebook import interleaved_medians
 
 __all__ = [
     "LowRankLinear",
@@ -120,24 +122,18 @@ def time_ranks(
     batch: int = 256,
     rounds: int = 7,
     seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds of one forward through a dense ``in -> out`` Linear and through a
     :class:`LowRankLinear` at each rank, on a ``(batch, in)`` input; rounds interleave the
-    variants so that load on the machine hits them all alike."""
+    variants so that load on the machine hits them all alike. ``clock`` is wall time by default;
+    with one intra-op thread, ``time.thread_time`` leaves out the moments the thread waited for
+    a core (chapter 8)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, in_features, generator=g)
-    dense = nn.Linear(in_features, out_features)
-    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"dense": dense}
-    for r in ranks:
-        low = LowRankLinear(in_features, out_features, r)
-        variants[f"rank {r}"] = low
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    variants = {"dense": nn.Linear(in_features, out_features)}
+    variants |= {f"rank {r}": LowRankLinear(in_features, out_features, r) for r in ranks}
     with torch.no_grad():
-        for layer in variants.values():  # warm-up: first calls allocate and pack
-            layer(x)
-        for _ in range(rounds):
-            for name, layer in variants.items():
-                start = time.perf_counter()
-                layer(x)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+        return interleaved_medians(
+            {name: partial(layer, x) for name, layer in variants.items()}, rounds, clock
+        )
