@@ -131,7 +131,7 @@ def time_ranks(
     a core (chapter 8)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, in_features, generator=g)
-    variants = {"dense": nn.Linear(in_features, out_features)}
+    variants: dict[str, nn.Module] = {"dense": nn.Linear(in_features, out_features)}
     variants |= {f"rank {r}": LowRankLinear(in_features, out_features, r) for r in ranks}
     with torch.no_grad():
         return interleaved_medians(
