@@ -67,11 +67,17 @@ def bare_ring(chunks: list[torch.Tensor], scratch: list[torch.Tensor]) -> None:
 
 
 def time_all_reduces(
-    sizes: list[int], repeats: int, warmup: int, check: bool, bare: bool = False
+    sizes: list[int],
+    repeats: int,
+    warmup: int,
+    check: bool,
+    bare: bool = False,
+    summary=statistics.median,
 ) -> list[dict]:
     """On every rank: for each size, time each algorithm and torch's all_reduce, interleaved
     repeat by repeat. Every run starts after a barrier; the slowest rank's time is the run's.
-    ``bare`` adds :func:`bare_ring` ("bare ring"), the ring's messages alone.
+    ``bare`` adds :func:`bare_ring` ("bare ring"), the ring's messages alone. Per size, a dict
+    of ``summary(runs)`` per contender (the median by default; ``None``: the runs themselves).
 
     The order of the contenders turns by one every repeat, so that none always runs first (or
     always after the same neighbour). Below :data:`MANY_REPEATS_BELOW` a run costs little and
@@ -113,7 +119,7 @@ def time_all_reduces(
                 if i >= warmup:
                     times[name].append(elapsed.item())
                 tensor.fill_(1.0)  # keep the values bounded across repeats
-        records.append({name: statistics.median(t) for name, t in times.items()})
+        records.append({name: summary(t) if summary else t for name, t in times.items()})
     return records
 
 
