@@ -24,6 +24,20 @@ def test_one_bench_writes_its_records_whole(tmp_path):
     assert allreduce.parse_size("4KiB") == 4096
 
 
+def test_time_all_reduces_gives_every_run_or_a_summary_of_them():
+    # examples/time_allreduce.py asks for the runs themselves (chapter 4 checks its network
+    # claims on each algorithm's fastest run); the bench and chapter 2 take the medians.
+    from dmlbook.bench.allreduce import repeats_for, time_all_reduces
+    from dmlbook.launch import run
+
+    (runs,) = run(time_all_reduces, 2, [4096], 2, 0, False, summary=None)[0]
+    (medians,) = run(time_all_reduces, 2, [4096], 2, 0, False)[0]
+    assert runs.keys() == medians.keys() and "torch" in medians
+    for times in runs.values():
+        assert len(times) == repeats_for(4096, 2) and all(t > 0 for t in times)
+    assert all(isinstance(m, float) and m > 0 for m in medians.values())
+
+
 def _bare_ring_against_torch(numel: int) -> dict:
     import torch.distributed as dist
 
