@@ -19,7 +19,17 @@ def assert_gone(pids: list[int], within: float = 3.0) -> None:
     deadline = time.monotonic() + within
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if alive(p)], "processes left behind"
+    left = [p for p in pids if alive(p)]
+    assert not left, f"processes left behind after {within:g} s: {[_describe(p) for p in left]}"
+
+
+def _describe(pid: int) -> str:
+    """pid and command line, for a failure message."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return str(pid)
+    return f"{pid} ({' '.join(a.decode(errors='replace') for a in argv if a)[:120]})"
 
 
 def left_in_temp(folder: Path) -> list[str]:

@@ -547,6 +547,41 @@ def test_helper_killed_mid_run_is_an_error_not_a_hang_and_the_next_run_works(tmp
     assert zygote.helper().process.pid != helper.pid
 
 
+def test_the_helper_leaves_the_moment_its_caller_hangs_up_even_in_the_middle_of_work():
+    # The helper's main loop reads its socket only between warm-up imports (one took 1.4 s on a
+    # slow machine); a thread of its own waits for the hang-up. Here the main thread spins, as
+    # during an import: a request must not wake the thread, the caller's close must end the
+    # process at once.
+    import socket
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    code = textwrap.dedent("""
+        import socket, sys
+        from dmlbook.runtime import zygote
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        zygote._exit_with_caller(sock)
+        sock.send(b"watching")
+        while True:
+            pass
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(launch.__file__).parents[1]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env
+    )
+    theirs.close()
+    try:
+        mine.settimeout(60)
+        assert mine.recv(64) == b"watching"
+        mine.send(b"a request")
+        time.sleep(0.3)
+        assert child.poll() is None, "a request ended the helper"
+        mine.close()
+        assert child.wait(timeout=10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_the_helper_leaves_when_idle_and_comes_back(monkeypatch):
     if not zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: no helper")

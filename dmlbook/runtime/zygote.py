@@ -18,8 +18,9 @@ Every chapter's ranks start here.
   channel, whose number it finds in ``$DMLBOOK_PASSED_FDS`` (:data:`protocol.PASSED_FDS`).
 * The helper reaps its children and reports each exit code, so :class:`ForkedRank` offers the
   part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
-* When the caller goes away, its end of the socket closes and the helper exits; its ranks see
-  their parent gone and kill themselves, as spawned ranks do when the caller dies.
+* When the caller goes away, its end of the socket closes and the helper exits at once, even
+  in the middle of an import (a thread of its own waits for that close and nothing else); its
+  ranks see their parent gone and kill themselves, as spawned ranks do when the caller dies.
 * It leaves when it has been idle (no ranks alive, none starting) for ``$DMLBOOK_HELPER_IDLE_S``
   seconds (default :data:`IDLE_EXIT_S`; :func:`dmlbook.launch.set_helper_idle_timeout` sets it
   from code), and the next launch starts a new one. A notebook kernel left open then costs its
@@ -69,6 +70,7 @@ IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 def serve(fd: int) -> None:
     """The helper's main loop: fork a rank per request, report each exit, stop with the caller."""
     sock = socket.socket(fileno=fd)
+    _exit_with_caller(sock)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the caller, not for us
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -98,6 +100,22 @@ def serve(fd: int) -> None:
             sock.send(pickle.dumps(("started", request_id, pid)))
         elif not readable and warm_later:
             __import__(warm_later.pop(0))
+
+
+def _exit_with_caller(sock: socket.socket) -> None:
+    """Exit the moment the caller's end of ``sock`` closes. The main loop sees that only between
+    imports, and one warm-up import (torch.distributed.fsdp: 1.4 s on a slow 2-core machine,
+    several beside other work) kept a killed caller's helper alive past 3 s once. The thread
+    waits in poll() for the hang-up alone (not POLLIN: requests do not wake it), holding no lock
+    a forked rank could inherit."""
+    hang_up = select.poll()
+    hang_up.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP)
+
+    def wait() -> None:
+        hang_up.poll()  # blocks until the caller's end closes (EINTR is retried, PEP 475)
+        os._exit(0)
+
+    threading.Thread(target=wait, daemon=True, name="dmlbook-caller-gone").start()
 
 
 def _read_nonblocking(fd: int) -> bytes:
