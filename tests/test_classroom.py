@@ -454,18 +454,55 @@ def answers_shown_early(notebook) -> list[str]:
         if cell.cell_type == "code"
         for expression, obj in _shown_sources(cell, namespace)
     ]
+    called = [
+        (index, expression, obj)
+        for index, cell in enumerate(body)
+        if cell.cell_type == "code"
+        for expression, obj in _called(cell, namespace)
+    ]
     found = []
     for cell in exercises:
         if not (cell.cell_type == "code" and _nbgrader(cell).get("grade")):
             continue
         for check in _checks(cell, namespace):
             used = _library_objects_used_by(check)
+            answers = {id(_resolve_dotted(name)) for name in getattr(check, "writes", ())}
             for index, expression, obj in shown:
-                if id(inspect.unwrap(obj)) in used or id(obj) in used:
+                if id(inspect.unwrap(obj)) in used | answers or id(obj) in used | answers:
                     found.append(
                         f"cell {index} prints the source of {expression}, which "
                         f"{check.__name__} (exercise {check.exercise!r}) checks the answer against"
                     )
+            for index, expression, obj in called:
+                if id(obj) in answers or id(inspect.unwrap(obj)) in answers:
+                    found.append(
+                        f"cell {index} calls {expression}, which does what exercise "
+                        f"{check.exercise!r} asks the learner to write: its output is the answer"
+                    )
+    return found
+
+
+def _resolve_dotted(name: str):
+    from dmlbook.exercises import _resolve
+
+    return _resolve(name)[2]
+
+
+def _called(cell, namespace) -> list[tuple[str, object]]:
+    """What ``cell`` calls, where the callee is a name or attribute chain the notebook's imports
+    resolve: (expression, the object). Calls inside a ``%%ranks`` cell count too."""
+    source = cell.source
+    if source.startswith("%%ranks"):  # the cell's body is Python that runs on the ranks
+        source = source.partition("\n")[2]
+    tree = ast.parse(TransformerManager().transform_cell(source))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+            expression = ast.unparse(node.func)
+            try:
+                found.append((expression, eval(expression, dict(namespace))))
+            except Exception:  # noqa: BLE001 (the notebook's own names: not library objects)
+                continue
     return found
 
 
@@ -499,6 +536,47 @@ def test_an_answer_printed_early_is_found():
     found = [line for line in answers_shown_early(notebook) if line.startswith("cell 1 ")]
     assert len(found) == 1 and reference in found[0], (module.__name__, found)
     assert len(answers_shown_early(notebook)) == len(before) + 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_cell_shows_private_code(path):
+    """What a chapter prints the source of is public API, not a module's private helper
+    (issue 36: 8 of the chapters' 33 ``getsource`` calls showed ``_`` names)."""
+    notebook = nbformat.read(path, as_version=4)
+    namespace = _imports_namespace(notebook)
+    private = [
+        f"cell {index} shows {expression} ({obj.__module__}.{obj.__qualname__})"
+        for index, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code"
+        for expression, obj in _shown_sources(cell, namespace)
+        if any(p.startswith("_") and not p.endswith("__") for p in _public_path(obj))
+    ]
+    assert private == []
+
+
+def _public_path(obj) -> list[str]:
+    obj = inspect.unwrap(getattr(obj, "__func__", obj))
+    module = getattr(obj, "__module__", "") or ""
+    return module.split(".") + (getattr(obj, "__qualname__", "") or "").split(".")
+
+
+def test_a_call_whose_output_is_the_answer_is_found():
+    """A cell that calls what an exercise asks the learner to write (its output is the answer,
+    as chapter 11 once drew ``rank_batch``'s split) is found, in a plain or a ``%%ranks`` cell."""
+    new = nbformat.v4
+    answer = new.new_code_cell("def order(stage, stages, microbatches):\n    return []")
+    answer.metadata["nbgrader"] = {"solution": True, "grade": False}
+    check = new.new_code_cell("ch06.check_one_f_one_b_order(order)")
+    check.metadata["nbgrader"] = {"grade": True, "solution": False}
+    imports = "from dmlbook.exercises import ch06\nfrom dmlbook.model_parallel import pipeline as pp"
+    for body in ("pp.one_f_one_b_schedule(2, 4)", "%%ranks\nx = pp.one_f_one_b_schedule(2, 4)"):
+        notebook = new.new_notebook(
+            cells=[new.new_code_cell(imports), new.new_code_cell(body), answer, check]
+        )
+        (found,) = answers_shown_early(notebook)
+        assert found.startswith("cell 1 calls pp.one_f_one_b_schedule"), found
+    quiet = new.new_notebook(cells=[new.new_code_cell(imports), answer, check])
+    assert answers_shown_early(quiet) == []
 
 
 def _module_level_names(notebook, namespace) -> list[str]:

@@ -60,7 +60,9 @@ BENCHES = (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dmlbook.bench`` (a test parses every command a chapter
+    prints with it)."""
     from dmlbook.bench.ddp import DDP_MODELS
 
     parser = argparse.ArgumentParser(
@@ -80,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default=",".join(DDP_MODELS), help="ddp: models to time")
     parser.add_argument("--steps", type=int, default=50, help="ddp: timed steps per model")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ddp: bucket size")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.which == "gpu-check":
         from dmlbook.bench.gpu import gpu_check

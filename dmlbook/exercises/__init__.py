@@ -14,6 +14,16 @@ prints one friendly line and returns, and a student notebook with open exercises
 bottom. A right answer prints a short "passed" line; a wrong one raises :class:`ExerciseFailed`
 saying which input, what was expected and what came back.
 
+**No back door.** An exercise asks the learner to write a mechanism that the library (or torch)
+already implements. ``@checker(name, writes=(...))`` names those implementations by their dotted
+paths; while the learner's code runs (inside :func:`learner_code`, and on every rank of
+:func:`run_answer`), each of them is switched off: wherever a module, the learner's globals or a
+class holds it, it is replaced by a stand-in that raises :class:`SwitchedOff`, so an answer that
+only calls the library is told to write the mechanism instead. The checker's own reference runs
+outside those blocks, with the library intact. ``tests/test_exercise_back_doors.py`` runs a
+delegating answer against every exercise, and the spoiler test reads ``writes`` to find a cell
+that calls an answer before its exercise.
+
 Every checker returns a :class:`CheckResult`, and a failure carries one in ``.result``::
 
     try:
@@ -28,23 +38,31 @@ JSON, so a grader reads verdicts rather than printed text.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import importlib
 import json
 import os
-from collections.abc import Callable, Iterator
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from dmlbook import launch
 from dmlbook.launch import RankError, RankTimeoutError
 
 __all__ = [
     "GRADE_LOG",
     "CheckResult",
     "ExerciseFailed",
+    "SwitchedOff",
     "checker",
     "expect_value_error",
     "learner_code",
+    "run_answer",
+    "switched_off",
 ]
 
 Status = Literal["passed", "failed", "not attempted"]
@@ -82,10 +100,28 @@ def _not_attempted(error: BaseException) -> bool:
     return isinstance(error, NotImplementedError)
 
 
-def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
+class SwitchedOff(RuntimeError):
+    """The learner's answer called a library function that does the exercise's job."""
+
+
+# What the check in progress switches off while the learner's code runs: (dotted names, answer).
+_CURRENT: contextvars.ContextVar[tuple[tuple[str, ...], Callable | None]] = contextvars.ContextVar(
+    "dmlbook_exercise_writes", default=((), None)
+)
+
+
+def checker(
+    exercise: str, *, writes: Iterable[str] = ()
+) -> Callable[[Callable[..., str | None]], Callable[..., CheckResult]]:
     """Turn ``check(fn, ...)``, which raises :class:`ExerciseFailed` or returns a short summary of
     what it verified, into a notebook checker that prints one line and returns a CheckResult.
+
+    ``writes`` holds the dotted names of the library functions (dmlbook's and torch's) that do
+    what the exercise asks the learner to write: switched off while ``fn`` runs.
     """
+    writes = tuple(writes)
+    for name in writes:
+        _resolve(name)  # a misspelt name fails at import, not in a learner's check
 
     def decorate(check: Callable[..., str | None]) -> Callable[..., CheckResult]:
         @functools.wraps(check)
@@ -95,6 +131,7 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                     f"{check.__name__} takes your function itself, e.g. "
                     f"{check.__name__}(my_function), not {type(fn).__name__} {fn!r}"
                 )
+            token = _CURRENT.set((writes, fn))
             try:
                 summary = check(fn, *args, **kwargs)
             except ExerciseFailed as failure:
@@ -111,11 +148,14 @@ def checker(exercise: str) -> Callable[[Callable[..., str | None]], Callable[...
                 )
                 print(message)
                 return _report(CheckResult(exercise, "not attempted", message))
+            finally:
+                _CURRENT.reset(token)
             message = f"Exercise {exercise!r} passed" + (f": {summary}" if summary else ".")
             print(message)
             return _report(CheckResult(exercise, "passed", message))
 
         run_check.exercise = exercise  # type: ignore[attr-defined]  # lets a grader list them
+        run_check.writes = writes  # type: ignore[attr-defined]  # what the learner must write
         return run_check
 
     return decorate
@@ -156,13 +196,17 @@ def learner_code(what: str) -> Iterator[None]:
     exercise as not attempted. The original error stays attached as ``__cause__``, so its
     traceback still shows the learner's line.
     """
+    names, answer = _CURRENT.get()
     try:
-        yield
+        with switched_off(names, answer):
+            yield
     except ExerciseFailed:
         raise
     except Exception as error:
         if _not_attempted(error):
             raise
+        if switched := _switched_off_cause(error):
+            raise ExerciseFailed(f"{what} called the library instead: {switched}") from error
         if isinstance(error, RankTimeoutError):
             raise ExerciseFailed(
                 f"{what} was still running on ranks {error.ranks} at the timeout. Does every "
@@ -174,3 +218,88 @@ def learner_code(what: str) -> Iterator[None]:
             said = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
             raise ExerciseFailed(f"{what} failed on rank {error.rank}: {said}") from error
         raise ExerciseFailed(f"{what} raised {type(error).__name__}: {error}") from error
+
+
+# ------------------------------------------------------------------------- switching a library off
+
+
+def run_answer(rank_fn: Callable, world_size: int, *args, **kwargs) -> list:
+    """:func:`dmlbook.launch.run` for a check: ``rank_fn(*args, **kwargs)`` on ``world_size``
+    ranks, with the exercise's ``writes`` switched off on every rank (functions among ``args``,
+    the learner's answer, lose their globals' references to them too). Call it inside
+    :func:`learner_code`, which turns a rank's error into the learner's failure."""
+    names, _ = _CURRENT.get()
+    return launch.run(_switched_off_on_rank, world_size, names, rank_fn, *args, **kwargs)
+
+
+def _switched_off_on_rank(names: tuple[str, ...], rank_fn: Callable, *args, **kwargs):
+    answers = [a for a in args if isinstance(a, types.FunctionType)]
+    with switched_off(names, *answers):
+        return rank_fn(*args, **kwargs)
+
+
+@contextmanager
+def switched_off(names: Iterable[str], *answers: Callable | None) -> Iterator[None]:
+    """While the block runs, every function named in ``names`` (dotted paths) raises
+    :class:`SwitchedOff` when called: its attribute on its owner (module or class), every loaded
+    module's name bound to the same object, and the same in each answer's globals."""
+    targets = {}
+    for name in names:
+        owner, attribute, original = _resolve(name)
+        targets[id(original)] = (name, owner, attribute, original)
+    if not targets:
+        yield
+        return
+    stand_ins = {key: _stand_in(name, original) for key, (name, _, _, original) in targets.items()}
+    undo: list[Callable[[], None]] = []
+    try:
+        for key, (_, owner, attribute, original) in targets.items():
+            setattr(owner, attribute, stand_ins[key])
+            undo.append(functools.partial(setattr, owner, attribute, original))
+        spaces = [vars(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
+        spaces += [a.__globals__ for a in answers if isinstance(a, types.FunctionType)]
+        for space in spaces:
+            for key, value in [(k, v) for k, v in list(space.items()) if id(v) in targets]:
+                space[key] = stand_ins[id(value)]
+                undo.append(functools.partial(space.__setitem__, key, value))
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def _resolve(name: str) -> tuple[object, str, object]:
+    """``"torch.distributed.all_gather"`` -> (its module or class, its attribute, the object)."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:-1]:
+            owner = getattr(owner, attribute)
+        return owner, parts[-1], getattr(owner, parts[-1])
+    raise ImportError(f"cannot find {name!r}")
+
+
+def _stand_in(name: str, original: object) -> Callable:
+    def switched_off(*args, **kwargs):
+        raise SwitchedOff(
+            f"{name} is switched off in this exercise: it does the very job you are asked to "
+            "write. Write the mechanism yourself instead of calling it"
+        )
+
+    switched_off.__name__ = getattr(original, "__name__", name)
+    switched_off.__qualname__ = getattr(original, "__qualname__", name)
+    return switched_off
+
+
+def _switched_off_cause(error: BaseException) -> str | None:
+    """The message of the :class:`SwitchedOff` behind ``error``, here or on a rank."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, SwitchedOff):
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None

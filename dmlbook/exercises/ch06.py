@@ -35,7 +35,7 @@ def _peak_live(ops: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
-@checker("one_f_one_b_order")
+@checker("one_f_one_b_order", writes=("dmlbook.model_parallel.pipeline.one_f_one_b_schedule",))
 def check_one_f_one_b_order(fn: Callable[[int, int, int], Sequence[tuple[str, int]]]) -> str:
     """Check ``fn(stage, stages, microbatches)`` against the 1F1B order of every stage of
     pipelines of 1 to 4 stages and 1 to 8 micro-batches, including fewer micro-batches than
