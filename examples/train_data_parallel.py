@@ -1,6 +1,8 @@
 """Chapter 1's data-parallel training, on local processes or across machines under torchrun.
 
     python examples/train_data_parallel.py --world-size 4
+    # two torchrun agents on this machine, playing two nodes of two processes each:
+    python examples/train_data_parallel.py --local-nodes 2 --nproc-per-node 2 --out result.pt
     # on each of two machines (HOST0 is the first one's address):
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
         --rdzv-id job1 examples/train_data_parallel.py --out result.pt
@@ -13,6 +15,9 @@ rank, which node and local rank it was, to ``--out``.
 import argparse
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -20,7 +25,7 @@ import torch.distributed as dist
 from dmlbook import data_parallel as dp
 from dmlbook import models
 from dmlbook.datasets import load_digits
-from dmlbook.launch import device, exit_now, run
+from dmlbook.launch import device, exit_now, free_port, run
 
 SETTINGS = dict(global_batch=64, lr=0.1, epochs=2, seed=0)
 
@@ -48,11 +53,68 @@ def train() -> dict:
     )
 
 
+def torchrun_on_this_machine(nodes: int, nproc_per_node: int, out: str) -> None:
+    """Play ``nodes`` machines on this one: one torchrun agent per node, all running this script.
+
+    The agents meet at a c10d rendezvous on 127.0.0.1. On real machines torchrun tells which
+    agent hosts the rendezvous from the host name; agents sharing one host are told
+    (``is_host``). Raises ``SystemExit`` with the agents' output if one fails.
+    """
+    port = free_port()  # below the ephemeral range: no outgoing connection takes it meanwhile
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        agents = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(nodes),
+                    "--nproc-per-node",
+                    str(nproc_per_node),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-id",
+                    "local",
+                    "--rdzv-conf",
+                    f"is_host={int(node == 0)}",
+                    "--log-dir",
+                    logs,
+                    __file__,
+                    "--out",
+                    out,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for node in range(nodes)
+        ]
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    if any(agent.returncode for agent in agents):
+        raise SystemExit("a torchrun agent failed:\n" + "\n".join(outputs))
+    print("".join(outputs), end="")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=None, help="local ranks (not torchrun)")
     parser.add_argument("--out", default=None, help="where rank 0 saves the results")
+    parser.add_argument(
+        "--local-nodes",
+        type=int,
+        default=None,
+        help="start this many torchrun agents here, playing as many nodes",
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="with --local-nodes")
     args = parser.parse_args()
+    if args.local_nodes:
+        torchrun_on_this_machine(args.local_nodes, args.nproc_per_node, args.out)
+        return
     results = run(train, args.world_size)
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the results
         print(f"test accuracy {results[0]['accuracy']:.3f} on {len(results)} ranks")

@@ -93,3 +93,24 @@ def test_switched_off_reaches_every_binding_and_restores_them():
             namespace["answer"]()
     assert pipeline.one_f_one_b_schedule is original and namespace["schedule"] is original
     assert namespace["answer"]() == original(2, 4)
+
+
+def test_switched_off_reaches_defaults_and_closures():
+    from dmlbook.model_parallel import pipeline
+
+    original = pipeline.one_f_one_b_schedule
+
+    def by_default(q=original, *, k=original):
+        return q(2, 4), k(2, 4)
+
+    def make():
+        captured = original
+        return lambda: captured(2, 4)
+
+    by_closure = make()
+    name = "dmlbook.model_parallel.pipeline.one_f_one_b_schedule"
+    for answer in (by_default, by_closure):
+        with switched_off([name], answer), pytest.raises(SwitchedOff):
+            answer()
+        answer()  # restored
+    assert by_default.__defaults__ == (original,) and by_default.__kwdefaults__ == {"k": original}

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dmlbook import data_parallel as dp
+from dmlbook.data_parallel import checkpoint
 from dmlbook.exercises import ExerciseFailed, ch03
 
 
@@ -98,3 +100,10 @@ def test_a_save_in_place_is_caught_by_the_crash_even_with_a_rename_elsewhere():
 def test_unanswered_exercises_are_not_attempted():
     assert ch03.check_sharded_accuracy(unanswered).status == "not attempted"
     assert ch03.check_atomic_save(unanswered).status == "not attempted"
+
+
+# Answers that only call the library: tests/test_exercise_back_doors.py sees each rejected.
+DELEGATING_ANSWERS = {
+    "sharded_accuracy": lambda model, x, y: dp.sharded_accuracy(model, x, y),
+    "atomic_save": lambda obj, path: checkpoint.atomic_save(obj, path),
+}

@@ -6,6 +6,7 @@ import torch
 from torch.nn import functional as F
 
 from dmlbook.exercises import ExerciseFailed, ch08
+from dmlbook.model_parallel.serving import distillation, freezing, lowrank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,3 +189,26 @@ def test_unanswered_exercises_are_not_attempted():
 def test_a_crashing_answer_names_the_exercise_input():
     with pytest.raises(ExerciseFailed, match="your energy_rank on diag.*raised ZeroDivisionError"):
         ch08.check_energy_rank(lambda w, keep: 1 / 0)
+
+
+# Answers that only call the library: tests/test_exercise_back_doors.py sees each rejected.
+DELEGATING_ANSWERS = {
+    "freeze_first": lambda layers, k: freezing.freeze_first(layers, k),
+    "energy_rank": lambda weight, keep: lowrank.energy_rank(weight, keep),
+    "distillation_loss": lambda s, t, y, T, alpha: distillation.distillation_loss(
+        s, t, y, T, alpha
+    ),
+}
+
+
+def test_an_answer_that_freezes_through_freeze_is_rejected():
+    with pytest.raises(ExerciseFailed, match="freezing.freeze is switched off"):
+        ch08.check_freeze_first(lambda layers, k: freezing.freeze(layers, range(k)))
+
+
+def test_an_answer_built_on_soft_target_loss_is_rejected():
+    def answer(s, t, y, T, alpha):
+        return alpha * distillation.soft_target_loss(s, t, T) + (1 - alpha) * F.cross_entropy(s, y)
+
+    with pytest.raises(ExerciseFailed, match="soft_target_loss is switched off"):
+        ch08.check_distillation_loss(answer)

@@ -108,19 +108,14 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> lis
     return buckets
 
 
-def _all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
-    """Start summing ``tensor`` over the ranks in place; returns at once, the future holds it."""
-    work = dist.all_reduce(tensor, group=group, async_op=True)  # communication, in the background
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
 class _DataParallel(nn.Module):
     """What both DDP wrappers share: the initial broadcast, ``no_sync``, and the gradient hooks.
 
     A hook on every parameter runs as soon as backward has accumulated the parameter's gradient
-    into ``.grad``. The first hook of a backward pass queues a callback in the autograd engine,
-    which runs :meth:`finish_gradient_synchronization` once backward is over, before
-    ``backward()`` returns, so ``optimizer.step()`` always sees averaged gradients. As with
+    into ``.grad``, and calls :meth:`gradient_ready`. The first hook of a backward pass queues a
+    callback in the autograd engine, which runs :meth:`finish_gradient_synchronization` once
+    backward is over, before ``backward()`` returns, so ``optimizer.step()`` always sees averaged
+    gradients. As with
     torch's DDP: one backward per forward, and activation checkpointing of the non-reentrant
     kind (a reentrant one runs a backward inside the backward, which would end it early).
     """
@@ -206,7 +201,7 @@ class _DataParallel(nn.Module):
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready.add(index)
-        self._gradient_ready(index)
+        self.gradient_ready(index)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -220,8 +215,9 @@ class _DataParallel(nn.Module):
         self._used.clear()
         self._ready.clear()
 
-    def _gradient_ready(self, index: int) -> None:
-        """Called in backward once parameter ``index``'s gradient is ready (and synced)."""
+    def gradient_ready(self, index: int) -> None:
+        """Called in backward once parameter ``index``'s gradient is in ``.grad`` (and the
+        backward syncs): a wrapper that communicates during backward starts it here."""
 
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients over the ranks; called by autograd at the end of backward."""
@@ -306,59 +302,81 @@ class BucketedDDP(_DataParallel):
         self._waiting_for = [len(members) for members in self._members]  # gradients per bucket
         self._next_bucket = 0  # the next bucket to launch
 
-    def _gradient_ready(self, index: int) -> None:
+    def gradient_ready(self, index: int) -> None:
+        """The hook: backward has just put parameter ``index``'s gradient in ``.grad``."""
         bucket = self._bucket_of[index]
-        self._waiting_for[bucket] -= 1
-        if self._waiting_for[bucket] == 0:
-            self._launch_ready_buckets()
+        self._waiting_for[bucket] -= 1  # gradients the bucket still waits for
+        if self._waiting_for[bucket] == 0:  # its last one: the bucket is full
+            self.launch_ready_buckets()
 
-    def _launch_ready_buckets(self) -> None:
-        """Start communicating every complete bucket, in bucket order: the ranks must all
-        issue the same collectives in the same order, whatever order their gradients came in."""
+    def launch_ready_buckets(self) -> None:
+        """Start every full bucket's all-reduce, in bucket order: all ranks must issue the same
+        collectives in the same order, whatever order their gradients came in."""
         while self._next_bucket < len(self._buckets) and not self._waiting_for[self._next_bucket]:
             bucket = self._buckets[self._next_bucket]
-            grads = [
-                p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.parameters()
-            ]
-            self.stats.collectives += 1
-            self.stats.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-            if self._comm_hook is None:  # flatten and divide in one pass (as torch), then sum
-                for view, grad in zip(bucket.gradients(), grads, strict=True):
-                    torch.div(grad, self.world_size, out=view)
-                future = _all_reduce_sum(bucket.buffer(), self.group)  # communication
-            else:
-                torch._foreach_copy_(bucket.gradients(), grads)  # flatten into the (n,) buffer
-                future = self._comm_hook(self._comm_state, bucket)  # communication
-            self._futures.append(future)
+            self._futures.append(self.launch_bucket(bucket))  # returns at once
             self._next_bucket += 1
+
+    def launch_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Copy the bucket's gradients, divided by the world size, into its flat buffer and
+        start summing the buffer over the ranks; the future's value is the averaged buffer."""
+        self._count(bucket)
+        if self._comm_hook is not None:
+            return self._communicate_with_hook(bucket)
+        for flat, p in zip(bucket.gradients(), bucket.parameters(), strict=True):
+            torch.div(_grad_or_zeros(p), self.world_size, out=flat)  # into the (n,) buffer
+        work = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True)  # communication
+        return work.get_future().then(lambda done: done.value()[0])  # the background does it
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and copy the averaged gradients back into ``.grad``.
 
         The autograd engine calls it at the end of every backward pass that syncs.
         """
+        used = self._launch_the_rest()  # None unless find_unused_parameters
+        for bucket, future in zip(self._buckets, self._futures, strict=True):
+            averaged = _unflatten(future.wait(), bucket.parameters())  # blocks until it is done
+            if used is None:  # every parameter has its .grad: one call copies them all
+                torch._foreach_copy_([p.grad for p in bucket.parameters()], averaged)
+            else:
+                self._copy_used(bucket, averaged, used)
+        self.stats.syncs += 1
+
+    def _count(self, bucket: GradBucket) -> None:
+        self.stats.collectives += 1
+        self.stats.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+
+    def _communicate_with_hook(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        grads = [_grad_or_zeros(p) for p in bucket.parameters()]
+        torch._foreach_copy_(bucket.gradients(), grads)  # flatten into the (n,) buffer
+        return self._comm_hook(self._comm_state, bucket)  # communication
+
+    def _launch_the_rest(self) -> list[int] | None:
+        """Every bucket must have started in backward. With ``find_unused_parameters``, launch
+        those that a parameter without a gradient held back, and return how many ranks used
+        each parameter; without it, such a parameter is an error."""
         not_launched = [i for m in self._members[self._next_bucket :] for i in m]
         if missing := self._missing(not_launched):
             if not self.find_unused_parameters:
                 raise self._unused_error(missing)  # (then _start_step waits for those launched)
             self._waiting_for = [0] * len(self._buckets)  # count the unused ones as ready
-            self._launch_ready_buckets()
-        used = self._globally_used() if self.find_unused_parameters else None
-        buckets = zip(self._members, self._buckets, self._futures, strict=True)
-        for members, bucket, future in buckets:
-            params = bucket.parameters()
-            averaged = _unflatten(future.wait(), params)  # blocks until the bucket is done
-            if used is None:  # every parameter has its .grad: one call copies them all
-                torch._foreach_copy_([p.grad for p in params], averaged)
-                continue
-            for i, p, grad in zip(members, params, averaged, strict=True):
-                if not used[i]:
-                    continue  # no rank used it: leave .grad alone, as torch does
-                if p.grad is None:  # unused here, used on another rank
-                    p.grad = grad.clone()
-                else:
-                    p.grad.copy_(grad)
-        self.stats.syncs += 1
+            self.launch_ready_buckets()
+        return self._globally_used() if self.find_unused_parameters else None
+
+    def _copy_used(self, bucket: GradBucket, averaged: list[torch.Tensor], used: list[int]) -> None:
+        members = self._members[bucket.index()]
+        for i, p, grad in zip(members, bucket.parameters(), averaged, strict=True):
+            if not used[i]:
+                continue  # no rank used it: leave .grad alone, as torch does
+            if p.grad is None:  # unused here, used on another rank
+                p.grad = grad.clone()
+            else:
+                p.grad.copy_(grad)
+
+
+def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, or zeros for a parameter that got no gradient (find_unused_parameters)."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 DistributedDataParallel = BucketedDDP

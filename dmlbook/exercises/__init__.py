@@ -242,7 +242,8 @@ def _switched_off_on_rank(names: tuple[str, ...], rank_fn: Callable, *args, **kw
 def switched_off(names: Iterable[str], *answers: Callable | None) -> Iterator[None]:
     """While the block runs, every function named in ``names`` (dotted paths) raises
     :class:`SwitchedOff` when called: its attribute on its owner (module or class), every loaded
-    module's name bound to the same object, and the same in each answer's globals."""
+    module's name bound to the same object, and the same in each answer's globals, defaults and
+    closure."""
     targets = {}
     for name in names:
         owner, attribute, original = _resolve(name)
@@ -256,16 +257,42 @@ def switched_off(names: Iterable[str], *answers: Callable | None) -> Iterator[No
         for key, (_, owner, attribute, original) in targets.items():
             setattr(owner, attribute, stand_ins[key])
             undo.append(functools.partial(setattr, owner, attribute, original))
+        functions = [a for a in answers if isinstance(a, types.FunctionType)]
         spaces = [vars(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
-        spaces += [a.__globals__ for a in answers if isinstance(a, types.FunctionType)]
+        spaces += [f.__globals__ for f in functions]
         for space in spaces:
             for key, value in [(k, v) for k, v in list(space.items()) if id(v) in targets]:
                 space[key] = stand_ins[id(value)]
                 undo.append(functools.partial(space.__setitem__, key, value))
+        for function in functions:  # captured as a default (q=quantize) or in a closure
+            undo += _replace_captured(function, targets, stand_ins)
         yield
     finally:
         for restore in reversed(undo):
             restore()
+
+
+def _replace_captured(function: types.FunctionType, targets: dict, stand_ins: dict) -> list:
+    """Swap the switched-off functions among ``function``'s defaults and closure cells; return
+    the calls that put them back."""
+    undo = []
+    if function.__defaults__ and any(id(v) in targets for v in function.__defaults__):
+        original = function.__defaults__
+        function.__defaults__ = tuple(stand_ins.get(id(v), v) for v in original)
+        undo.append(functools.partial(setattr, function, "__defaults__", original))
+    if function.__kwdefaults__ and any(id(v) in targets for v in function.__kwdefaults__.values()):
+        original_kw = function.__kwdefaults__
+        function.__kwdefaults__ = {k: stand_ins.get(id(v), v) for k, v in original_kw.items()}
+        undo.append(functools.partial(setattr, function, "__kwdefaults__", original_kw))
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if id(value) in targets:
+            cell.cell_contents = stand_ins[id(value)]
+            undo.append(functools.partial(setattr, cell, "cell_contents", value))
+    return undo
 
 
 def _resolve(name: str) -> tuple[object, str, object]:

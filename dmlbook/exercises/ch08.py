@@ -59,7 +59,13 @@ def _freeze_hint(layers: nn.ModuleList, flags: list[list[bool]], k: int, was: li
     return ""
 
 
-@checker("freeze_first")
+@checker(
+    "freeze_first",
+    writes=(
+        "dmlbook.model_parallel.serving.freezing.freeze_first",
+        "dmlbook.model_parallel.serving.freezing.freeze",
+    ),
+)
 def check_freeze_first(fn: Callable[[nn.ModuleList, int], None]) -> str:
     """Check ``fn(layers, k)`` on an MLP and a char-GPT (as ``as_layers`` lists), for every k,
     in an order that goes down as well as up: exactly the first k layers are frozen."""
@@ -128,7 +134,7 @@ def _energy_bugs(weight: torch.Tensor, keep: float) -> dict[str, int]:
     }
 
 
-@checker("energy_rank")
+@checker("energy_rank", writes=("dmlbook.model_parallel.serving.lowrank.energy_rank",))
 def check_energy_rank(fn: Callable[[torch.Tensor, float], int]) -> str:
     """Check ``fn(weight, keep) -> r``: the smallest rank keeping ``keep`` of the energy."""
     cases = _energy_cases()
@@ -182,7 +188,13 @@ def _distillation_bugs(s, t, y, temperature, alpha) -> list[tuple[str, torch.Ten
     ]  # fmt: skip
 
 
-@checker("distillation_loss")
+@checker(
+    "distillation_loss",
+    writes=(
+        "dmlbook.model_parallel.serving.distillation.distillation_loss",
+        "dmlbook.model_parallel.serving.distillation.soft_target_loss",
+    ),
+)
 def check_distillation_loss(fn: Callable[..., torch.Tensor]) -> str:
     """Check ``fn(student_logits, teacher_logits, targets, T, alpha)``: its value and its
     gradient for the student, against the reference on 4 settings of T and alpha."""
