@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from dmlbook.comm import algorithms, costmodel
 from dmlbook.comm import collectives as C
-from dmlbook.comm import costmodel
 from dmlbook.launch import RankError, run
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
@@ -156,6 +156,14 @@ def _check_everything(world: int) -> dict:
         ours = inputs[rank].clone()
         C.all_reduce(ours, algorithm=algorithm)
         expect(_close(ours, want, scale, p), f"all_reduce {algorithm} sliced n={n}")
+    # Chapter 2's teaching ring (one chunk per step) gives the optimised ring's bits: same schedule.
+    for dtype in (torch.float32, torch.int64):
+        for n in _lengths(p):
+            chunks = list(_input(rank, n * p, dtype, "SUM", salt=4).split(n))
+            ours = torch.empty(n, dtype=dtype)
+            C.reduce_scatter(ours, [c.clone() for c in chunks])
+            algorithms.ring_reduce_scatter(chunks)
+            expect(torch.equal(chunks[rank], ours), f"teaching ring reduce-scatter {dtype} n={n}")
     base = torch.stack([inputs[rank][:1000], inputs[rank][1000:2000]], dim=1)  # (1000, 2)
     ours = base.t()  # non-contiguous view: the result must land in the caller's tensor
     C.all_reduce(ours)

@@ -1,7 +1,7 @@
-"""Chapter 2's exercise checkers: ring answers pass; planted bugs (an off-by-one chunk index, a
-missing step, a non-ring pattern, a built-in collective) fail with a message that says so."""
-
-import functools
+"""Chapter 2's exercise checkers: a ring all-gather and binomial-tree broadcasts pass; planted bugs
+(an off-by-one chunk index, a missing step, a non-ring pattern, a broadcast from the root alone or
+down a chain, a tree rooted at rank 0, a built-in collective or another one standing in for it)
+fail with a message that says so."""
 
 import pytest
 import torch
@@ -15,9 +15,11 @@ def unanswered(*args):
     raise NotImplementedError
 
 
-def without_shape_check(collective):
-    """dmlbook's own collective, minus its shape check (an extra round the checker would count)."""
-    return functools.partial(collective, check=False)
+# Answers that only call the library (tests/test_exercise_back_doors.py): each must be refused.
+DELEGATING_ANSWERS = {
+    "ring_all_gather": lambda tensor_list, tensor: collectives.all_gather(tensor_list, tensor),
+    "tree_broadcast": lambda tensor, src: collectives.broadcast(tensor, src),
+}
 
 
 # --------------------------------------------------------------------------- all-gather answers
@@ -69,11 +71,18 @@ def all_gather_builtin(tensor_list, tensor):
     dist.all_gather(tensor_list, tensor)
 
 
-def test_ring_all_gather_passes_the_ring_and_dmlbook_own(capsys):
+def all_gather_by_all_reduce(tensor_list, tensor):
+    """A back door through another collective: each rank fills its own slot, the rest zeros."""
+    rank = dist.get_rank()
+    flat = torch.zeros(len(tensor_list), *tensor.shape)
+    flat[rank] = tensor
+    dist.all_reduce(flat)
+    for out, got in zip(tensor_list, flat, strict=True):
+        out.copy_(got)
+
+
+def test_ring_all_gather_passes_the_ring(capsys):
     assert ch02.check_ring_all_gather(ring_all_gather).status == "passed"
-    assert (
-        ch02.check_ring_all_gather(without_shape_check(collectives.all_gather)).status == "passed"
-    )
     assert "Exercise 'ring_all_gather' passed" in capsys.readouterr().out
 
 
@@ -87,7 +96,8 @@ def test_ring_all_gather_passes_the_ring_and_dmlbook_own(capsys):
         ),
         (all_gather_missing_step, "does the loop run world_size - 1 steps \\(1 here\\)"),
         (all_gather_everyone_to_everyone, "not a ring: at world size 3 rank 0 sent to ranks"),
-        (all_gather_builtin, "dist.all_gather is switched off"),
+        (all_gather_builtin, "called the library instead: torch.distributed.all_gather is"),
+        (all_gather_by_all_reduce, "called the library instead: .*all_reduce is switched off"),
     ],
 )
 def test_ring_all_gather_catches_planted_bugs(answer, message):
@@ -95,83 +105,94 @@ def test_ring_all_gather_catches_planted_bugs(answer, message):
         ch02.check_ring_all_gather(answer)
 
 
-# --------------------------------------------------------------------------- reduce-scatter answers
+# --------------------------------------------------------------------------- broadcast answers
 
 
-def ring_reduce_scatter(output, input_list):
+def tree_broadcast(tensor, src):
     rank, world = dist.get_rank(), dist.get_world_size()
-    incoming = torch.empty_like(output)
-    for step in range(world - 1):
-        chunk = (rank - step - 1) % world
-        request = dist.isend(input_list[chunk], (rank + 1) % world)
-        dist.recv(incoming, (rank - 1) % world)
-        request.wait()
-        input_list[(rank - step - 2) % world] += incoming
-    output.copy_(input_list[rank])
+    me = (rank - src) % world  # rank relative to the root
+    mask = 1
+    while mask < world:  # receive once, from the rank `mask` below
+        if me & mask:
+            dist.recv(tensor, (me - mask + src) % world)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:  # then send on, farthest first
+        if me + mask < world:
+            dist.send(tensor, (me + mask + src) % world)
+        mask >>= 1
 
 
-def reduce_scatter_off_by_one(output, input_list):
+def doubling_broadcast(tensor, src):
+    """Another binomial tree: in round k the first 2^k relative ranks send to those 2^k above."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    incoming = torch.empty_like(output)
-    for step in range(world - 1):
-        chunk = (rank - step) % world  # planted: should be rank - step - 1
-        request = dist.isend(input_list[chunk], (rank + 1) % world)
-        dist.recv(incoming, (rank - 1) % world)
-        request.wait()
-        input_list[(rank - step - 1) % world] += incoming
-    output.copy_(input_list[(rank + 1) % world])
+    me = (rank - src) % world
+    span = 1
+    while span < world:
+        if me < span and me + span < world:
+            dist.send(tensor, (me + span + src) % world)
+        elif span <= me < 2 * span:
+            dist.recv(tensor, (me - span + src) % world)
+        span *= 2
 
 
-def reduce_scatter_missing_step(output, input_list):
+def broadcast_from_the_root(tensor, src):
     rank, world = dist.get_rank(), dist.get_world_size()
-    incoming = torch.empty_like(output)
-    for step in range(world - 2):  # planted: one step short
-        request = dist.isend(input_list[(rank - step - 1) % world], (rank + 1) % world)
-        dist.recv(incoming, (rank - 1) % world)
-        request.wait()
-        input_list[(rank - step - 2) % world] += incoming
-    output.copy_(input_list[rank])
+    if rank == src:
+        for r in range(world):
+            if r != src:
+                dist.send(tensor, r)
+    else:
+        dist.recv(tensor, src)
 
 
-def reduce_scatter_adds_into_sent_chunk(output, input_list):
+def broadcast_chain(tensor, src):
     rank, world = dist.get_rank(), dist.get_world_size()
-    incoming = torch.empty_like(output)
-    for step in range(world - 1):
-        request = dist.isend(input_list[(rank - step - 1) % world].clone(), (rank + 1) % world)
-        dist.recv(incoming, (rank - 1) % world)
-        request.wait()
-        input_list[(rank - step - 1) % world] += incoming  # planted: should be rank - step - 2
-    output.copy_(input_list[rank])
+    me = (rank - src) % world
+    if me > 0:
+        dist.recv(tensor, (rank - 1) % world)
+    if me < world - 1:
+        dist.send(tensor, (rank + 1) % world)
 
 
-def test_ring_reduce_scatter_passes_the_ring_and_dmlbook_own():
-    assert ch02.check_ring_reduce_scatter(ring_reduce_scatter).status == "passed"
-    assert (
-        ch02.check_ring_reduce_scatter(without_shape_check(collectives.reduce_scatter)).status
-        == "passed"
-    )
+def broadcast_rooted_at_zero(tensor, src):
+    """Planted: the tree hangs from rank 0 whatever src is."""
+    tree_broadcast(tensor, 0)
+
+
+def broadcast_builtin(tensor, src):
+    dist.broadcast(tensor, src)
+
+
+def broadcast_by_all_reduce(tensor, src):
+    """A back door through another collective: everyone but the root adds zeros."""
+    if dist.get_rank() != src:
+        tensor.zero_()
+    collectives.all_reduce(tensor)
+
+
+def test_tree_broadcast_passes_both_binomial_trees():
+    assert ch02.check_tree_broadcast(tree_broadcast).status == "passed"
+    assert ch02.check_tree_broadcast(doubling_broadcast).status == "passed"
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (
-            reduce_scatter_off_by_one,
-            "full sum of chunk 1. Rank r should end with chunk r; a chunk index is off by one",
-        ),
-        (
-            reduce_scatter_adds_into_sent_chunk,
-            "although your loop ran world_size - 1 = 1 steps. A chunk index is off by one",
-        ),
-        (reduce_scatter_missing_step, "sums only 1 of the 2 ranks' chunks"),
+        (broadcast_from_the_root, "not a tree: .*round 3.*the root sends to every rank itself"),
+        (broadcast_chain, "not a tree: .*round 3.*a chain"),
+        (broadcast_rooted_at_zero, "holds .*rank 0's.*Your tree is rooted at rank 0"),
+        (broadcast_builtin, "called the library instead: torch.distributed.broadcast is switched"),
+        (broadcast_by_all_reduce, "called the library instead: .*all_reduce is switched off"),
     ],
 )
-def test_ring_reduce_scatter_catches_planted_bugs(answer, message):
+def test_tree_broadcast_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
-        ch02.check_ring_reduce_scatter(answer)
+        ch02.check_tree_broadcast(answer)
 
 
 def test_unanswered_exercises_are_not_attempted(capsys):
     assert ch02.check_ring_all_gather(unanswered).status == "not attempted"
-    assert ch02.check_ring_reduce_scatter(unanswered).status == "not attempted"
+    assert ch02.check_tree_broadcast(unanswered).status == "not attempted"
     assert capsys.readouterr().out.count("not attempted yet") == 2

@@ -6,9 +6,22 @@ moments in fp32;
 a largest batch that is one too many, one too few, or ignores that nothing fits."""
 
 import pytest
+from torch import nn
 
+from dmlbook import models
 from dmlbook.exercises import ExerciseFailed, ch05
 from dmlbook.model_parallel import memory
+
+# Answers that only call the library (tests/test_exercise_back_doors.py): each must be refused.
+DELEGATING_ANSWERS = {
+    "layer_parameters": lambda h, f: models.count_parameters(
+        nn.TransformerEncoderLayer(h, 1, dim_feedforward=f)
+    ),
+    "training_state_bytes": lambda n, precision, optimizer: (
+        n * sum(memory.state_bytes_per_parameter(precision, optimizer).values())
+    ),
+    "largest_batch": lambda spec, seq, device_bytes: memory.largest_batch(spec, seq, device_bytes),
+}
 
 
 def unanswered(*args):
@@ -160,6 +173,16 @@ def test_largest_batch_passes_the_right_answer():
 def test_largest_batch_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
         ch05.check_largest_batch(answer)
+
+
+def count_by_building_the_layer(h, f):
+    """A back door: build torch's layer and count what it holds (no library counter called)."""
+    return sum(p.numel() for p in nn.TransformerEncoderLayer(h, 1, dim_feedforward=f).parameters())
+
+
+def test_layer_parameters_refuses_a_built_layer():
+    with pytest.raises(ExerciseFailed, match="called the library instead.*TransformerEncoderLayer"):
+        ch05.check_layer_parameters(count_by_building_the_layer)
 
 
 def test_unanswered_exercises_are_not_attempted():

@@ -62,7 +62,8 @@ def _prose(source: str) -> str:
 
 def _defined_or_linked(source: str, start: int, end: int) -> bool:
     """Whether the use at ``source[start:end]`` sits in bold or in a link to the glossary."""
-    for match in _BOLD.finditer(source):
+    no_code = _CODE.sub(lambda m: " " * len(m.group(0)), source)  # `**kwargs` is not bold
+    for match in _BOLD.finditer(no_code):
         if match.start("text") <= start and end <= match.end("text"):
             return True
     for match in _LINK.finditer(source):

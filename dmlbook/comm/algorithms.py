@@ -8,6 +8,9 @@ shape and ``AVG``'s final division are left to :mod:`dmlbook.comm.collectives`, 
 * ``_tree_reduce`` and ``_tree_broadcast`` walk a binomial tree: ceil(log2 p) rounds, each
   halving (or doubling) the number of ranks that hold the data. ``reduce`` and ``broadcast``
   are these; the tree all-reduce is one then the other (chapter 4);
+* :func:`ring_reduce_scatter_step` is the ring's reduce-scatter as chapter 2 teaches it: one
+  step, one chunk each way, on the world group. :func:`ring_reduce_scatter` runs its p-1 steps.
+  They are the reference that the optimised ring below is tested equal to;
 * ``_ring_reduce_scatter`` and ``_ring_all_gather`` go round a ring, one chunk per step. Each
   chunk is cut into slices that flow through the ring back to back, so that reducing one slice
   overlaps receiving the next. The ring all-reduce is one then the other: every rank sends
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from dmlbook.comm.groups import RING_SLICE_BYTES, ring_schedule, ring_slices
 from dmlbook.comm.p2p import _combine, _Comm, _scratch
@@ -40,6 +44,8 @@ from dmlbook.comm.trace import Send
 
 __all__ = [
     "ALGORITHMS",
+    "ring_reduce_scatter",
+    "ring_reduce_scatter_step",
     "AUTO_RING_FROM_BYTES",
     "RING_SLICE_BYTES",
     "choose_all_reduce",
@@ -104,6 +110,29 @@ def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> Non
 
 
 # --------------------------------------------------------------------------- the ring
+
+
+def ring_reduce_scatter_step(chunks: list[torch.Tensor], step: int) -> None:
+    """Step ``step`` of a ring reduce-scatter on the world group (chapter 2's teaching version).
+
+    ``chunks`` holds this rank's p chunks, changed in place. Rank r sends chunk (r-step-1) mod p
+    to its right neighbour and adds the chunk arriving from its left one into its own copy;
+    after steps 0 .. p-2, rank r's ``chunks[r]`` is summed over every rank.
+    """
+    rank, p = dist.get_rank(), dist.get_world_size()
+    send = (rank - step - 1) % p  # the chunk this rank passes on
+    receive = (rank - step - 2) % p  # the chunk its left neighbour passes on
+    incoming = torch.empty_like(chunks[receive])
+    request = dist.isend(chunks[send], dst=(rank + 1) % p)  # communication: post the send,
+    dist.recv(incoming, src=(rank - 1) % p)  # then wait for the left neighbour's chunk
+    request.wait()
+    chunks[receive] += incoming  # computation: add it in
+
+
+def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
+    """The ring reduce-scatter (SUM): p-1 steps of :func:`ring_reduce_scatter_step`."""
+    for step in range(dist.get_world_size() - 1):
+        ring_reduce_scatter_step(chunks, step)
 
 
 def _ring_reduce_scatter(

@@ -3,7 +3,8 @@
 1. ``check_layer_parameters``: write ``count(d_model, d_ff) -> int``, the parameters of one
    transformer layer (BERT's or GPT's, with biases): the q, k, v and output projections, the
    two feed-forward matrices and two LayerNorms. Checked against torch's own
-   ``nn.TransformerEncoderLayer``.
+   ``nn.TransformerEncoderLayer``, which is switched off while the learner's count runs, with the
+   library's counters (a count is the learner's sum of the parts, not a built layer's).
 2. ``check_training_state_bytes``: write ``state_bytes(n_params, precision, optimizer) -> int``,
    the bytes of weights, gradients and optimizer state for ``precision`` in fp32 / bf16 / mixed
    and ``optimizer`` in sgd / sgd_momentum / adam (Adam's step counter aside); mixed precision
@@ -50,7 +51,14 @@ def _layer_mistakes(h: int, f: int) -> dict[int, str]:
     return mistakes
 
 
-@checker("layer_parameters")
+@checker(
+    "layer_parameters",
+    writes=(
+        "dmlbook.model_parallel.memory.count_parameters",
+        "dmlbook.models.count_parameters",
+        "torch.nn.TransformerEncoderLayer",
+    ),
+)
 def check_layer_parameters(fn: Callable[[int, int], int]) -> str:
     """Check ``fn(d_model, d_ff)`` against the parameters of ``nn.TransformerEncoderLayer``."""
     # (96, 200) first: with d_ff = 4 d_model, leaving out d_ff biases looks like leaving out the
@@ -73,7 +81,9 @@ def check_layer_parameters(fn: Callable[[int, int], int]) -> str:
     return f"{len(cases)} layer shapes match torch's TransformerEncoderLayer, BERT-base's included"
 
 
-@checker("training_state_bytes")
+@checker(
+    "training_state_bytes", writes=("dmlbook.model_parallel.memory.state_bytes_per_parameter",)
+)
 def check_training_state_bytes(fn: Callable[[int, str, str], int]) -> str:
     """Check ``fn(n_params, precision, optimizer)`` for every precision and optimizer."""
     sizes = [1, 1000, 109_482_240]
@@ -111,7 +121,7 @@ def check_training_state_bytes(fn: Callable[[int, str, str], int]) -> str:
     )
 
 
-@checker("largest_batch")
+@checker("largest_batch", writes=("dmlbook.model_parallel.memory.largest_batch",))
 def check_largest_batch(fn: Callable[[memory.TransformerSpec, int, float], int]) -> str:
     """Check ``fn(spec, seq, device_bytes)`` against
     :func:`dmlbook.model_parallel.memory.largest_batch`."""

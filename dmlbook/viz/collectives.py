@@ -1,8 +1,9 @@
 """Who holds which chunk, and who sends to whom: collectives drawn step by step.
 
-Chapter 2 draws which chunk of a ring all-reduce sits where with ``chunk_grid`` (a slider steps
-through it) and who sends to whom at each step of the tree, recursive doubling and the ring with
-``message_schedule``; chapter 13 draws an all-to-all dispatch of tokens to experts with
+Chapter 2 draws a parameter server's layout with ``ps_layout``, which chunk of a ring
+all-reduce sits where with ``chunk_grid`` (a slider steps through it) and who sends to whom at
+each step of the tree, recursive doubling and the ring with ``message_schedule`` (its key:
+``schedule_legend``); chapter 13 draws an all-to-all dispatch of tokens to experts with
 ``all_to_all_dispatch``.
 """
 
@@ -16,6 +17,8 @@ __all__ = [
     "all_to_all_dispatch",
     "chunk_grid",
     "message_schedule",
+    "ps_layout",
+    "schedule_legend",
 ]
 
 
@@ -94,6 +97,58 @@ def message_schedule(
     ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)], fontsize=8)
     ax.set_xlabel("step (a column's messages travel together)", fontsize=8)
     ax.set_title(title, fontsize=9)
+    return ax
+
+
+def schedule_legend(fig: plt.Figure) -> None:
+    """The key to :func:`message_schedule`'s arrows, once for a whole figure, below its panels."""
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color="C0", marker="v", lw=1.5, label="message to a higher rank (down)"),
+        Line2D([], [], color="C3", marker="^", lw=1.5, label="message to a lower rank (up)"),
+        Line2D([], [], ls="none", label="label: its size, n = the whole tensor"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+
+
+def ps_layout(servers: int, workers: int, ax: plt.Axes | None = None) -> plt.Axes:
+    """A parameter server's layout: ``servers`` boxes on top, each holding 1/S of the model,
+    ``workers`` boxes below, each a whole copy; every worker pulls each server's shard (down) and
+    pushes it the matching slice of its gradient (up)."""
+    from matplotlib.patches import FancyBboxPatch
+
+    ax = ax or plt.subplots(figsize=(5, 3))[1]
+    width = max(servers, workers)
+    top = [(i + 0.5) * width / servers for i in range(servers)]
+    bottom = [(i + 0.5) * width / workers for i in range(workers)]
+    box = dict(boxstyle="round,pad=0.02", lw=1.2)
+    for s, x in enumerate(top):
+        ax.add_patch(FancyBboxPatch((x - 0.4, 2.0), 0.8, 0.55, fc="#fde2c8", ec="k", **box))
+        shard = "the whole model" if servers == 1 else f"shard {s}: 1/{servers}"
+        ax.text(x, 2.275, f"server {s}\n{shard}", ha="center", va="center", fontsize=7)
+    for w, x in enumerate(bottom):
+        ax.add_patch(FancyBboxPatch((x - 0.4, 0.0), 0.8, 0.55, fc="#d7e7f5", ec="k", **box))
+        ax.text(x, 0.275, f"worker {w}\nmodel copy", ha="center", va="center", fontsize=7)
+    for xs in top:
+        for xw in bottom:  # pull down on the left, push up on the right of each pair
+            for d, colour, a, b in (
+                (-0.07, "C0", (xs, 2.0), (xw, 0.55)),
+                (0.07, "C3", (xw, 0.55), (xs, 2.0)),
+            ):
+                ax.annotate(
+                    "",
+                    xy=(b[0] + d, b[1]),
+                    xytext=(a[0] + d, a[1]),
+                    arrowprops=dict(arrowstyle="-|>", color=colour, lw=1, alpha=0.85),
+                )
+    part = "the whole model" if servers == 1 else f"1/{servers} of the model"
+    ax.plot([], [], color="C0", label=f"pull: parameters, {part} per arrow")
+    ax.plot([], [], color="C3", label=f"push: gradient (slice), {part} per arrow")
+    ax.set(xlim=(-0.1, width + 0.1), ylim=(-0.75, 2.65))
+    ax.legend(loc="lower center", fontsize=7, ncol=1, frameon=False, bbox_to_anchor=(0.5, -0.02))
+    ax.set_title(f"{servers} server(s), {workers} workers", fontsize=9)
+    ax.axis("off")
     return ax
 
 

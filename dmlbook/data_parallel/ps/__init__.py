@@ -83,7 +83,7 @@ from dmlbook.data_parallel.ps.consistency import (
 )
 from dmlbook.data_parallel.ps.messages import Cluster, Traffic
 from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost, WorkerResult, global_losses
-from dmlbook.data_parallel.ps.server import _serve
+from dmlbook.data_parallel.ps.server import _serve, requests, server_loop
 from dmlbook.data_parallel.ps.sharding import (
     SHARDINGS,
     assemble_model,
@@ -91,7 +91,7 @@ from dmlbook.data_parallel.ps.sharding import (
     bytes_per_step,
     shard_ranges,
 )
-from dmlbook.data_parallel.ps.worker import _plan, _work
+from dmlbook.data_parallel.ps.worker import _plan, _work, pull, push, worker_loop
 
 __all__ = [
     "PSConfig",
@@ -109,6 +109,11 @@ __all__ = [
     "WorkerResult",
     "WorkerLost",
     "global_losses",
+    "worker_loop",
+    "pull",
+    "push",
+    "server_loop",
+    "requests",
 ]
 
 

@@ -39,6 +39,14 @@ class WorkerResult:
     traffic: Traffic = field(default_factory=Traffic)
     seconds: float = 0.0
 
+    def record(self, step: int, samples, loss: float, clock_gap: int) -> None:
+        """One step done: its global step, samples, mean loss and lead over the slowest."""
+        self.steps += 1
+        self.loss.append(loss)
+        self.rounds.append(step)
+        self.samples.append(list(samples))
+        self.clock_gap.append(clock_gap)
+
 
 class WorkerLost(RuntimeError):
     """A server lost a worker. ``shard`` is the server's model then: whole updates only."""

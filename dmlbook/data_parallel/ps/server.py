@@ -1,7 +1,8 @@
 """A parameter server: one shard, gradients applied as its consistency model says (chapter 2).
 
-One listening thread per worker hands each request to the update loop only once it is whole, so a
-worker that dies is noticed at once (:class:`~dmlbook.data_parallel.ps.WorkerLost`)."""
+:func:`server_loop` is the server chapter 2 shows. Behind it, :func:`requests` has one listening
+thread per worker hand each request to the loop only once it is whole, so a worker that dies is
+noticed at once (:class:`~dmlbook.data_parallel.ps.WorkerLost`)."""
 
 from __future__ import annotations
 
@@ -50,58 +51,85 @@ def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, co
 
 
 def _serve(model, rank, lr, consistency: Consistency, members, cluster: Cluster) -> ServerResult:
-    """Hold one shard, apply pushed gradients, answer pulls when the staleness bound allows."""
-    servers, workers, ranges, comm = cluster.servers, cluster.workers, cluster.ranges, cluster.comm
-    start, traffic = time.perf_counter(), Traffic()
-    mine = ranges[rank]
+    """Set up a server (its shard, one listening thread per worker), run :func:`server_loop`."""
+    start = time.perf_counter()
+    mine = cluster.ranges[rank]
     shard = _take(parameters_to_vector(model.parameters()).detach(), mine)
-    worker_ranks = range(servers, servers + workers)
-    events: queue.Queue = queue.Queue()
-    for w in worker_ranks:
-        args = (w, shard.numel(), shard.dtype, events, comm)
-        threading.Thread(target=_listen, args=args, daemon=True).start()
-    clock = dict.fromkeys(worker_ranks, 0)  # gradients received from each worker
+    result = ServerResult(rank, mine, shard, 0, [], [], Traffic(), 0.0)
+    server_loop(shard, lr, consistency, requests(shard, cluster, result), cluster, result, members)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def server_loop(shard, lr, consistency, requests, cluster, result, members=None) -> None:
+    """A server (chapter 2): apply the gradients pushed, answer the pulls the bound allows.
+
+    ``requests`` yields (worker, kind, its clock, the version it pulled, gradient) as they come;
+    ``result`` (a ServerResult) counts the updates, each gradient's staleness and the bytes.
+    """
+    workers = range(cluster.servers, cluster.servers + cluster.workers)
+    clock = dict.fromkeys(workers, 0)  # gradients received from each worker
     waiting: dict[int, int] = {}  # worker -> clock of its pull not answered yet
-    step_grads: dict[int, torch.Tensor] = {}  # synchronous: this step's gradients, by worker
-    done, updates, stale, gaps, rounds = set(), 0, [], [], []
-    while len(done) < workers:
-        w, header, grad = events.get()
-        kind, c, pulled_version = header.tolist()
-        if kind == LOST:
-            raise WorkerLost(
-                f"parameter server {rank} lost worker rank {w} after {clock[w]} gradients "
-                f"(its shard holds {updates} whole updates): {grad}",
-                w,
-                updates,
-                shard.clone(),
-            )
-        _count_received(header, traffic)
+    this_step: dict[int, torch.Tensor] = {}  # synchronous: this step's gradients, by worker
+    for w, kind, c, pulled, grad in requests:
         if kind == PULL:
             waiting[w] = c
         elif kind == PUSH:
-            _count_received(grad, traffic)
             clock[w] += 1
-            stale.append(updates - pulled_version)
-            if not consistency.on_arrival:  # synchronous: sum the step's gradients in worker order
-                step_grads[w] = grad
-                expected = list(worker_ranks) if members is None else sorted(members[updates])
-                if sorted(step_grads) == expected:
-                    shard.add_(torch.stack([step_grads[v] for v in expected]).sum(0), alpha=-lr)
-                    updates, step_grads = updates + 1, {}
-                    rounds.append(expected)
-            else:  # bounded staleness and asynchronous: apply each gradient on arrival
+            result.staleness.append(result.updates - pulled)  # updates since its pull
+            if consistency.on_arrival:  # bounded staleness, asynchronous: apply it now
                 shard.add_(grad, alpha=-lr)
-                updates += 1
-        elif kind == DONE:
-            done.add(w)
+                result.updates += 1
+            else:  # synchronous: sum the step's gradients, in worker order, once all are in
+                this_step[w] = grad
+                expected = list(workers) if members is None else sorted(members[result.updates])
+                if sorted(this_step) == expected:
+                    shard.add_(torch.stack([this_step[v] for v in expected]).sum(0), alpha=-lr)
+                    result.updates, this_step = result.updates + 1, {}
+                    result.members.append(expected)
         # How far ahead a pull for step c is: of the slowest worker, or, synchronous, of the last
         # update (the same without members; with them a worker that left stays behind).
-        behind = min(clock.values()) if consistency.on_arrival else updates
+        behind = min(clock.values()) if consistency.on_arrival else result.updates
         for v, c in list(waiting.items()):  # answer the pulls the bound now allows
             if c - behind <= consistency.bound:
                 del waiting[v]
-                gaps.append(c - behind)
-                _send(torch.tensor([updates, c - behind]), v, REPLY, traffic, comm)
-                _send(shard, v, PARAMS, traffic, comm)
-    seconds = time.perf_counter() - start
-    return ServerResult(rank, mine, shard, updates, stale, gaps, traffic, seconds, rounds)
+                result.clock_gap.append(c - behind)
+                _reply(v, shard, c - behind, cluster, result)  # communication
+
+
+def _reply(worker: int, shard, lead: int, cluster: Cluster, result: ServerResult) -> None:
+    """Answer a pull: a header [version, how far the worker is ahead], then the shard."""
+    header = torch.tensor([result.updates, lead])
+    _send(header, worker, REPLY, result.traffic, cluster.comm)
+    _send(shard, worker, PARAMS, result.traffic, cluster.comm)
+
+
+def requests(shard, cluster: Cluster, result: ServerResult):
+    """Every worker's requests, in the order they arrive, until all are done: (worker, kind,
+    clock, version pulled, gradient or None). One thread listens to each worker; a worker lost
+    raises :class:`WorkerLost`, with the shard as it is (whole updates only)."""
+    workers = range(cluster.servers, cluster.servers + cluster.workers)
+    events: queue.Queue = queue.Queue()
+    for w in workers:
+        args = (w, shard.numel(), shard.dtype, events, cluster.comm)
+        threading.Thread(target=_listen, args=args, daemon=True).start()
+    pushed = dict.fromkeys(workers, 0)
+    done: set[int] = set()
+    while len(done) < cluster.workers:
+        w, header, grad = events.get()
+        kind, c, pulled = header.tolist()
+        if kind == LOST:
+            raise WorkerLost(
+                f"parameter server {result.rank} lost worker rank {w} after {pushed[w]} "
+                f"gradients (its shard holds {result.updates} whole updates): {grad}",
+                w,
+                result.updates,
+                shard.clone(),
+            )
+        _count_received(header, result.traffic)
+        if kind == PUSH:
+            _count_received(grad, result.traffic)
+            pushed[w] += 1
+        elif kind == DONE:
+            done.add(w)
+        yield w, kind, c, pulled, grad

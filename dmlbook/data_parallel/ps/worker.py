@@ -1,4 +1,6 @@
-"""A parameter-server worker: pull the model, compute its share of the gradient, push it (ch. 2)."""
+"""A parameter-server worker: pull the model, compute its share of the gradient, push it (ch. 2).
+
+:func:`worker_loop` is the worker chapter 2 shows; ``_work`` sets it up (device, pauses, timing)."""
 
 from __future__ import annotations
 
@@ -52,47 +54,66 @@ def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
 
 
 def _work(model, rank, x, y, plan, config, cluster: Cluster, *, delay, loss_fn) -> WorkerResult:
-    """Pull the model, compute a gradient on this worker's part of the batch, push it; repeat.
-    ``config`` is the run's :class:`~dmlbook.data_parallel.ps.PSConfig`."""
-    servers, ranges, comm = cluster.servers, cluster.ranges, cluster.comm
-    global_batch = config.global_batch
-    start, me = time.perf_counter(), rank - servers
+    """Set up a worker, run :func:`worker_loop`, report. ``config`` is the run's
+    :class:`~dmlbook.data_parallel.ps.PSConfig`."""
+    start, me = time.perf_counter(), rank - cluster.servers
     result = WorkerResult(rank, me, steps=0)
     dev = device()
     model.to(dev)
-    params = list(model.parameters())
-    flat = parameters_to_vector(params).detach().cpu()  # the model as last pulled
-    for step, idx in plan:
-        versions, gap = _pull(flat, step, ranges, result.traffic, comm)
-        _load(params, flat)
-        loss = loss_fn(model(x[idx].to(dev)), y[idx].to(dev))  # the mean over its samples
-        model.zero_grad(set_to_none=True)
-        (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
-        if delay:  # a slower machine: the same pause every step, or a pattern of pauses
-            pause = delay[me]
-            time.sleep(pause if isinstance(pause, (int, float)) else pause[step % len(pause)])
-        grad = parameters_to_vector([p.grad for p in params]).cpu()
-        pending = []
-        for s in range(servers):
-            header = torch.tensor([PUSH, step, versions[s]])
-            pending.append(_send(header, s, REQUEST, result.traffic, comm, wait=False))
-            piece = _take(grad, ranges[s])
-            pending.append(_send(piece, s, GRADIENT, result.traffic, comm, wait=False))
-        for work in pending:
-            work.wait()
-        result.steps += 1
-        result.loss.append(loss.item())
-        result.rounds.append(step)
-        result.samples.append(list(idx))
-        result.clock_gap.append(gap)
-    for s in range(servers):
-        _send(torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, comm)
+
+    def pause(step: int) -> None:  # a slower machine: the same pause every step, or a pattern
+        if delay:
+            wait = delay[me]
+            time.sleep(wait if isinstance(wait, (int, float)) else wait[step % len(wait)])
+
+    batches = ((step, idx, x[idx].to(dev), y[idx].to(dev)) for step, idx in plan)
+    worker_loop(model, batches, config.global_batch, cluster, result, loss_fn, pause)
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _pull(flat, clock, ranges, traffic, comm) -> tuple[list[int], int]:
-    """Fetch every server's shard into ``flat``; return their versions and this worker's gap."""
+def worker_loop(model, batches, global_batch, cluster, result, loss_fn, pause) -> None:
+    """A worker (chapter 2): pull the model, compute its share of the gradient, push it; repeat.
+
+    ``batches`` yields (step, sample indices, inputs, targets); ``result`` (a WorkerResult)
+    records each step and counts the bytes; ``pause(step)`` plays a slow machine.
+    """
+    params = list(model.parameters())
+    flat = parameters_to_vector(params).detach().cpu()  # the model as last pulled
+    for step, idx, inputs, targets in batches:
+        versions, gap = pull(flat, step, cluster, result.traffic)  # communication
+        _load(params, flat)
+        loss = loss_fn(model(inputs), targets)  # the mean over its samples
+        model.zero_grad(set_to_none=True)
+        (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
+        pause(step)
+        grad = parameters_to_vector([p.grad for p in params]).cpu()
+        push(grad, step, versions, cluster, result.traffic)  # communication
+        result.record(step, idx, loss.item(), gap)
+    _done(cluster, result)  # tell every server: no more requests
+
+
+def _done(cluster: Cluster, result: WorkerResult) -> None:
+    for s in range(cluster.servers):
+        _send(torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, cluster.comm)
+
+
+def push(grad, clock, versions, cluster: Cluster, traffic) -> None:
+    """Send each server a request header and the slice of ``grad`` it owns."""
+    pending = []
+    for s in range(cluster.servers):
+        header = torch.tensor([PUSH, clock, versions[s]])
+        pending.append(_send(header, s, REQUEST, traffic, cluster.comm, wait=False))
+        piece = _take(grad, cluster.ranges[s])
+        pending.append(_send(piece, s, GRADIENT, traffic, cluster.comm, wait=False))
+    for work in pending:
+        work.wait()
+
+
+def pull(flat, clock, cluster: Cluster, traffic) -> tuple[list[int], int]:
+    """Fetch every server's shard into ``flat``; return their versions and this worker's gap
+    (how far it is ahead of the slowest worker, as the servers saw it)."""
+    ranges, comm = cluster.ranges, cluster.comm
     headers = [torch.empty(2, dtype=torch.int64) for _ in ranges]
     shards = [torch.empty(sum(b - a for a, b in r), dtype=flat.dtype) for r in ranges]
     # Post the receives before asking, so that a server's answer never waits for us.
