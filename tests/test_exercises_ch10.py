@@ -137,7 +137,6 @@ def not_from_pair_seeds(client, participants, seed_of, round_index, numel):
 def test_client_mask_passes_right_answers():
     assert ch10.check_client_mask(client_mask).status == "passed"
     assert ch10.check_client_mask(client_mask_reversed_convention).status == "passed"
-    assert ch10.check_client_mask(client_mask_via_package).status == "passed"
 
 
 @pytest.mark.parametrize(
@@ -224,7 +223,6 @@ def no_value_error(labels, num_clients, alpha, seed):
 
 def test_dirichlet_split_passes_right_answers():
     assert ch10.check_dirichlet_split(dirichlet_split).status == "passed"
-    assert ch10.check_dirichlet_split(fl.dirichlet_split).status == "passed"
 
 
 @pytest.mark.parametrize(
@@ -247,3 +245,27 @@ def test_unanswered_exercises_are_not_attempted():
     assert ch10.check_weighted_average(unanswered).status == "not attempted"
     assert ch10.check_client_mask(unanswered).status == "not attempted"
     assert ch10.check_dirichlet_split(unanswered).status == "not attempted"
+
+
+# ---- answers that only call the library: tests/test_exercise_back_doors.py rejects each -------
+
+DELEGATING_ANSWERS = {
+    "weighted_average": lambda states, counts: fl.weighted_average(states, counts),
+    "client_mask": client_mask_via_package,
+    "dirichlet_split": lambda labels, num_clients, alpha, seed: fl.dirichlet_split(
+        labels, num_clients, alpha, seed
+    ),
+}
+
+
+def test_the_delegating_answers_are_right_with_the_library_on():
+    """Each would pass if the library were not switched off: the rejection is for delegating."""
+    states = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}]
+    assert torch.allclose(
+        fl.weighted_average(states, [1, 3])["w"].float(), torch.tensor([2.5, 5.0])
+    )
+    seed_of = lambda i, j: 100 * min(i, j) + max(i, j)  # noqa: E731
+    assert torch.equal(
+        client_mask_via_package(0, [0, 1, 2], seed_of, 4, 16),
+        client_mask(0, [0, 1, 2], seed_of, 4, 16),
+    )

@@ -5,11 +5,16 @@ unsorted lists; plain averaging, 1 / batch, 1 / global batch) are caught with a 
 so; unanswered exercises are "not attempted"."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from dmlbook.advanced import speedups as pr
+from dmlbook.data_parallel.loop import ForwardBackward
 from dmlbook.exercises import ExerciseFailed, ch12
+from dmlbook.models import Batch
 
 
 def unanswered(*args):
@@ -77,7 +82,6 @@ def split_remainder_to_last(speeds, batch):  # floors, then the last rank takes 
 
 def test_proportional_batches_passes_right_answers():
     assert ch12.check_proportional_batches(split).status == "passed"
-    assert ch12.check_proportional_batches(pr.proportional_batches).status == "passed"
 
 
 @pytest.mark.parametrize(
@@ -148,7 +152,6 @@ def overlap_merged_unsorted(a, b):  # merges as if each list were sorted by star
 
 def test_overlap_passes_right_answers():
     assert ch12.check_overlap(overlap).status == "passed"
-    assert ch12.check_overlap(lambda a, b: pr.length(pr.intersection(a, b))).status == "passed"
 
 
 @pytest.mark.parametrize(
@@ -194,3 +197,39 @@ def test_unanswered_exercises_are_not_attempted():
     assert ch12.check_proportional_batches(unanswered).status == "not attempted"
     assert ch12.check_overlap(unanswered).status == "not attempted"
     assert ch12.check_loss_scale(unanswered).status == "not attempted"
+
+
+# ---- answers that only call the library: tests/test_exercise_back_doors.py rejects each -------
+
+
+def split_by_random_split(speeds, batch):
+    parts = torch.utils.data.random_split(range(batch), [s / sum(speeds) for s in speeds])
+    return [len(part) for part in parts]
+
+
+def loss_scale_via_the_loop(batches, rank):
+    """The loop's weighted loss over the plain mean loss, on a throwaway model."""
+    model = torch.nn.Linear(2, 3)
+    x, y = torch.randn(batches[rank], 2), torch.randint(0, 3, (batches[rank],))
+    state = SimpleNamespace(model=model, batch=SimpleNamespace(global_size=sum(batches)))
+    weighted = ForwardBackward().loss(state, Batch(x, y))
+    return (weighted / F.cross_entropy(model(x), y)).item()
+
+
+DELEGATING_ANSWERS = {
+    "proportional_batches": lambda speeds, batch: pr.proportional_batches(speeds, batch),
+    "overlap": lambda a, b: pr.length(pr.intersection(a, b)),
+    "loss_scale": loss_scale_via_the_loop,
+}
+
+
+def test_the_delegating_answers_are_right_with_the_library_on():
+    """Each would pass if the library were not switched off: the rejection is for delegating."""
+    assert pr.proportional_batches([3.0, 1.0], 8) == [6, 2]
+    assert math.isclose(loss_scale_via_the_loop([5, 15], 0), 0.25, rel_tol=1e-5)
+    assert DELEGATING_ANSWERS["overlap"]([(0, 4), (1, 2)], [(3, 6)]) == 1.0
+
+
+def test_random_split_is_switched_off_too():
+    with pytest.raises(ExerciseFailed, match="called the library instead.*random_split"):
+        ch12.check_proportional_batches(split_by_random_split)

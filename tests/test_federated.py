@@ -272,3 +272,25 @@ def test_bad_input_raises_value_error():
         fl.FedAvgConfig(4, 1, batch_size=0)
     with pytest.raises(ValueError, match="num_clients"):
         fl.FedAvgConfig(True, 1)
+
+
+def test_one_round_of_client_update_and_server_update_is_the_weighted_average():
+    """The two halves of a round that chapter 10 shows, in one process: the server's step from
+    the summed uploads moves w to the clients' models averaged with weights n_k / sum n_k."""
+    from torch.nn.utils import parameters_to_vector
+
+    clients = UnequalClients(3)
+    config = fl.FedAvgConfig(3, rounds=1, lr=LR, batch_size=8, seed=1)
+    model = model_fn()
+    w = parameters_to_vector(model.parameters()).detach().clone()
+    w0 = w.clone()
+    total, flats, counts = torch.zeros(w.numel() + 1, dtype=torch.int64), [], []
+    for c in range(3):
+        x, y = clients(c)
+        total = (total + fl.client_update(model, w, x, y, config, 0, c)) % fl.MODULUS
+        flats.append({"w": parameters_to_vector(model.parameters()).detach().clone()})
+        counts.append(len(x))
+    stepped = fl.server_update(w, total)
+    expected = fl.weighted_average(flats, counts)["w"]
+    assert torch.allclose(stepped.double(), expected, atol=1e-6)
+    assert torch.equal(w, w0)  # the clients trained copies: the global model is untouched

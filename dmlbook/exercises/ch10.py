@@ -64,7 +64,7 @@ def _average_mistakes(states, counts) -> dict[str, dict[str, torch.Tensor]]:
 CASES = [([30, 10, 60], 0), ([100, 1], 1), ([7], 2), ([5, 5, 5, 5], 3), ([1, 2, 3, 4, 50], 4)]
 
 
-@checker("weighted_average")
+@checker("weighted_average", writes=("dmlbook.advanced.federated.fedavg.weighted_average",))
 def check_weighted_average(fn: Callable[[list[dict], list[int]], dict]) -> str:
     """Check ``fn(states, counts)`` returns sum_k counts[k] / sum(counts) * states[k] for every
     key, leaving ``states`` unchanged."""
@@ -114,7 +114,7 @@ MASK_CASES = [([0, 1], 0), ([0, 2, 5], 3), ([1, 2, 3, 4, 6], 1), ([3, 4, 7, 8], 
 NUMEL = 2000
 
 
-@checker("client_mask")
+@checker("client_mask", writes=("dmlbook.advanced.federated.secure.mask_update",))
 def check_client_mask(fn: Callable[[int, list[int], Callable, int, int], torch.Tensor]) -> str:
     """Check ``fn(client, participants, seed_of, round_index, numel)``: int64 masks in
     [0, MODULUS) that look uniformly random, change from round to round, are built from the pair
@@ -203,7 +203,7 @@ def _as_index_list(parts, call: str, num_clients: int) -> list[torch.Tensor]:
     return parts
 
 
-@checker("dirichlet_split")
+@checker("dirichlet_split", writes=("dmlbook.advanced.federated.splits.dirichlet_split",))
 def check_dirichlet_split(fn: Callable[[torch.Tensor, int, float, int], Sequence]) -> str:
     """Check ``fn(labels, num_clients, alpha, seed)`` on the digits labels: one index array per
     client, every sample exactly once, the same for the same seed, label skew small at

@@ -71,7 +71,13 @@ def _split_hint(got: list[int], speeds: Sequence[float], batch: int) -> str:
     return ""
 
 
-@checker("proportional_batches")
+@checker(
+    "proportional_batches",
+    writes=(
+        "dmlbook.advanced.speedups.heterogeneous.proportional_batches",
+        "torch.utils.data.random_split",  # lengths from fractions, the remainder dealt out
+    ),
+)
 def check_proportional_batches(fn: Callable[[list[float], int], list[int]]) -> str:
     """Check ``fn(speeds, global_batch)``: one batch per rank, each >= 1 and within one sample of
     its proportional share, summing to ``global_batch``; ValueError on bad input."""
@@ -160,7 +166,13 @@ def _overlap_mistakes(a: list, b: list) -> dict[str, float]:
     }
 
 
-@checker("overlap")
+@checker(
+    "overlap",
+    writes=tuple(  # each of them, or two together, gives the time covered by both lists
+        f"dmlbook.advanced.speedups.intervals.{name}"
+        for name in ("union", "length", "intersection", "difference", "overlap_fraction")
+    ),
+)
 def check_overlap(fn: Callable[[list, list], float]) -> str:
     """Check ``fn(a, b)`` is the total time covered by both interval lists, each moment once."""
     cases = _overlap_cases()
@@ -186,7 +198,11 @@ def _scale_cases() -> list[list[int]]:
     return [[5, 19], [3, 9, 12], [1, 2, 8, 13], [8, 8], [7]]
 
 
-@checker("loss_scale")
+@checker(
+    "loss_scale",
+    # the loop's loss, weighted by this rank's share of the global batch when a plan says so
+    writes=("dmlbook.data_parallel.loop.ForwardBackward.loss",),
+)
 def check_loss_scale(fn: Callable[[list[int], int], float]) -> str:
     """Check ``fn(batches, rank)`` makes the summed, scaled per-rank gradients equal the gradient
     of the mean loss over the union batch, on a real linear model with random data."""

@@ -8,9 +8,10 @@ is the only rank that ever loads its data (``load_client(c)``). One round of :fu
 1. the server picks a fraction of the clients (:func:`sample_clients`, seeded by round, so every
    rank computes the same choice without a message) and broadcasts the global model;
 2. each chosen client trains a copy for ``local_epochs`` epochs of SGD on its own data and uploads
-   its *update* ``n_k * (w_k - w)`` together with its sample count ``n_k``;
-3. the server adds the uploads and moves the global model by ``sum n_k (w_k - w) / sum n_k``:
-   the average of the client models weighted by their sample counts (McMahan et al. 2017).
+   its *update* ``n_k * (w_k - w)`` together with its sample count ``n_k`` (:func:`client_update`);
+3. the server adds the uploads and moves the global model by ``sum n_k (w_k - w) / sum n_k``
+   (:func:`server_update`): the average of the client models weighted by their sample counts
+   (McMahan et al. 2017; :func:`weighted_average` is the same on state dicts).
 
 Uploads are fixed-point integers in the ring of integers modulo 2**48 (:func:`encode`), so that
 **secure aggregation** (Bonawitz et al. 2017) is exact: every pair of chosen clients agrees on a
@@ -39,9 +40,12 @@ from dmlbook.advanced.federated.fedavg import (
     FedAvgConfig,
     FedAvgResult,
     Message,
+    client_update,
     fedavg,
     fedavg_reference,
     local_sgd,
+    server_update,
+    weighted_average,
 )
 from dmlbook.advanced.federated.secure import (
     FRAC_BITS,
@@ -70,6 +74,7 @@ __all__ = [
     "FedAvgResult",
     "Message",
     "client_owner",
+    "client_update",
     "decode",
     "dh_keypair",
     "dirichlet_split",
@@ -84,5 +89,7 @@ __all__ = [
     "mask_update",
     "pair_mask",
     "sample_clients",
+    "server_update",
     "shared_seed",
+    "weighted_average",
 ]

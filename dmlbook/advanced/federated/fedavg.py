@@ -174,6 +174,46 @@ class FedAvgConfig:
             )
 
 
+def client_update(
+    model: nn.Module,
+    global_flat: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: FedAvgConfig,
+    round_index: int,
+    client: int,
+) -> torch.Tensor:
+    """One chosen client's part of a FedAvg round: start from the global model w, train it for
+    E local epochs on the client's own (x, y), and return the upload [n_k (w_k - w), n_k] as
+    fixed-point ring integers (:func:`encode`)."""
+    _load_flat(model, global_flat)  # w_k <- w
+    generator = _local_generator(config.seed, round_index, client)  # the client's own shuffles
+    local_sgd(model, x, y, config.local_epochs, config.lr, config.batch_size, generator)
+    delta = parameters_to_vector(model.parameters()).detach().double() - global_flat  # w_k - w
+    n = torch.tensor([float(len(x))], dtype=torch.float64, device=delta.device)  # n_k
+    return encode(torch.cat([n * delta, n]))
+
+
+def server_update(global_flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The server's step, from the sum of the round's uploads (ring integers):
+    w + sum_k n_k (w_k - w) / sum_k n_k, the average of the client models weighted by n_k."""
+    summed = decode(total)  # [sum_k n_k (w_k - w), sum_k n_k]
+    step = summed[:-1] / summed[-1]
+    return (global_flat.double() + step).to(global_flat.dtype)
+
+
+def weighted_average(
+    states: list[dict[str, torch.Tensor]], counts: list[int]
+) -> dict[str, torch.Tensor]:
+    """The FedAvg average of client state dicts, client k weighted by counts[k] / sum(counts)
+    (in float64): what :func:`fedavg_reference` moves the model to after each round."""
+    total = sum(counts)
+    return {
+        k: sum(n / total * s[k].double() for n, s in zip(counts, states, strict=True))
+        for k in states[0]
+    }
+
+
 def fedavg(
     model_fn: Callable[[], nn.Module],
     load_client: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -221,20 +261,14 @@ def fedavg(
                 if record:
                     result.received.append((r, c, upload.to("cpu", copy=True)))
                 total = (total + upload) % MODULUS  # all the server ever does with an upload
-            summed = decode(total)
-            step = summed[:-1] / summed[-1]  # sum n_k (w_k - w) / sum n_k
-            global_flat = (global_flat.double() + step).to(global_flat.dtype)
+            global_flat = server_update(global_flat, total)
             if evaluate is not None:
                 _load_flat(model, global_flat)
                 result.accuracy.append(evaluate(model))
             continue
         for c in (c for c in chosen if c in data):
             x, y = data[c]
-            _load_flat(model, global_flat)
-            _local_round(model, x, y, config, r, c)
-            delta = parameters_to_vector(model.parameters()).detach().double() - global_flat
-            n = torch.tensor([float(len(x))], dtype=torch.float64, device=here)
-            upload = encode(torch.cat([n * delta, n]))
+            upload = client_update(model, global_flat, x, y, config, r, c)
             if record:
                 result.uploads.append((r, c, upload.to("cpu", copy=True)))
             if secure:
@@ -264,12 +298,6 @@ def _exchange_keys(mine: list[int], result: FedAvgResult) -> dict[int, dict[int,
     }
 
 
-def _local_round(model: nn.Module, x, y, config: FedAvgConfig, round_: int, client: int) -> None:
-    """Client ``client``'s local SGD in round ``round_``, with its own shuffling stream."""
-    generator = _local_generator(config.seed, round_, client)
-    local_sgd(model, x, y, config.local_epochs, config.lr, config.batch_size, generator)
-
-
 def fedavg_reference(
     model_fn: Callable[[], nn.Module],
     load_client: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
@@ -288,13 +316,11 @@ def fedavg_reference(
         for c in sample_clients(config.num_clients, config.fraction, r, config.seed):
             model.load_state_dict(start)
             x, y = data[c]
-            _local_round(model, x, y, config, r, c)
+            generator = _local_generator(config.seed, r, c)
+            local_sgd(model, x, y, config.local_epochs, config.lr, config.batch_size, generator)
             states.append({k: v.detach().double() for k, v in model.state_dict().items()})
             counts.append(len(x))
-        total = sum(counts)
-        averaged = {
-            k: sum(n / total * s[k] for n, s in zip(counts, states, strict=True)) for k in start
-        }
+        averaged = weighted_average(states, counts)
         model.load_state_dict({k: v.to(start[k].dtype) for k, v in averaged.items()})
         if evaluate is not None:
             accuracies.append(evaluate(model))

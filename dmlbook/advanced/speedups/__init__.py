@@ -4,8 +4,9 @@ Chapter 12 ("Advanced techniques for further speed-ups") uses this module for fo
 
 1. **Profile a data-parallel step.** :func:`profile_data_parallel` runs a few training steps of
    chapter 3's :class:`~dmlbook.data_parallel.BucketedDDP`, its :class:`NaiveDDP` or torch's
-   DDP under ``torch.profiler`` on every rank and writes one Chrome/Perfetto trace file per rank
-   (``prof.export_chrome_trace``; open it in https://ui.perfetto.dev or ``chrome://tracing``).
+   DDP under ``torch.profiler`` on every rank (:func:`trace_steps`) and writes one
+   Chrome/Perfetto trace file per rank (``prof.export_chrome_trace``; open it in
+   https://ui.perfetto.dev or ``chrome://tracing``).
    :func:`analyse_trace` then reads the trace back and splits each step's wall time into
    computation (the ``aten::``/autograd ops of the training thread), communication that no
    computation hid, and the rest (Python between ops, waiting on a future). On the CPU with gloo
@@ -27,8 +28,9 @@ Chapter 12 ("Advanced techniques for further speed-ups") uses this module for fo
    Because the global batch and its order do not depend on the world size, both equal training the
    job alone.
 4. **Heterogeneous workers.** :func:`train_heterogeneous` throttles ranks on purpose (after
-   computing, a rank spins for ``slowdown - 1`` times as long), measures each rank's speed, and
-   gives each a share of the global batch in proportion to it (:func:`proportional_batches`).
+   computing, a rank spins for ``slowdown - 1`` times as long), measures each rank's speed
+   (:func:`measure_speeds`), and gives each a share of the global batch in proportion to it
+   (:func:`proportional_batches`).
    Each rank scales its summed loss by ``1 / global_batch`` and the gradients are *summed*, so the
    update is exactly the single-process one on the union batch (:func:`train_union_reference`);
    plain averaging of unequal batches weights the small batch's samples more, and is wrong.
@@ -41,6 +43,7 @@ of :mod:`~dmlbook.advanced.speedups.intervals`), :mod:`~dmlbook.advanced.speedup
 from dmlbook.advanced.speedups.heterogeneous import (
     HeteroRun,
     equal_batches,
+    measure_speeds,
     proportional_batches,
     train_heterogeneous,
     train_union_reference,
@@ -72,6 +75,7 @@ from dmlbook.advanced.speedups.profiling import (
     is_communication,
     load_trace,
     profile_data_parallel,
+    trace_steps,
 )
 
 __all__ = [
@@ -89,6 +93,7 @@ __all__ = [
     "load_trace",
     "analyse_trace",
     "profile_data_parallel",
+    "trace_steps",
     "Job",
     "JobRun",
     "MultiplexRun",
@@ -98,6 +103,7 @@ __all__ = [
     "job_reference",
     "proportional_batches",
     "equal_batches",
+    "measure_speeds",
     "HeteroRun",
     "union_batches",
     "train_heterogeneous",

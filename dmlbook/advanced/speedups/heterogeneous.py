@@ -113,11 +113,12 @@ def union_batches(
                     global_size=global_batch if weighted else None)  # fmt: skip
 
 
-def _probe_speeds(job: Job, model: nn.Module, x, y, slowdown: float, probe_steps: int, group):
-    """Every rank's samples per second, each measured over ``probe_steps`` throttled backward
-    passes (after a warm-up), then all-gathered."""
+def measure_speeds(
+    model: nn.Module, x, y, batch: int, slowdown: float, probe_steps: int = 3, group=None
+) -> list[float]:
+    """Every rank's samples per second: each times ``probe_steps`` throttled forward and backward
+    passes on ``batch`` samples (after a warm-up, without training), then they all-gather."""
     rank, world = group_rank_size(group)
-    batch = max(1, job.global_batch // world)
     xb, yb = x[:batch], y[:batch]
     throttle = _Throttle(slowdown)
     for _ in range(probe_steps + 1):  # forward and backward only: the probe must not train
@@ -153,37 +154,48 @@ def train_heterogeneous(
     1 / global_batch and sums the gradients: the single-process update on the union batch.
     ``weighted=False`` averages the ranks' mean-loss gradients, as plain DDP does.
     """
-    _check_steps(steps)
     rank, world = group_rank_size(group)
-    slowdown = [1.0] * world if slowdown is None else [float(s) for s in slowdown]
-    if len(slowdown) != world or any(not math.isfinite(s) or s < 1 for s in slowdown):
-        raise ValueError(f"slowdown needs {world} factors >= 1, got {slowdown}")
-    if job.momentum:
-        raise ValueError("train_heterogeneous takes plain SGD steps: give the job momentum=0")
-    B = job.global_batch
+    slowdown = _checked_slowdown(job, steps, slowdown, world)
     x, y = job.data()
     model = job.model()
-    broadcast_parameters(model, group=group)
+    broadcast_parameters(model, group=group)  # every rank starts from the same weights
     speeds: list[float] = []
-    if batches == "equal":
-        split = equal_batches(B, world)
-    elif batches == "proportional":
-        speeds = _probe_speeds(job, model, x, y, slowdown[rank], probe_steps, group)
-        split = proportional_batches(speeds, B)
-    elif isinstance(batches, str):
-        raise ValueError(f"batches is 'equal', 'proportional' or a list, got {batches!r}")
-    else:
-        split = [int(b) for b in batches]
-        if len(split) != world or sum(split) != B or min(split) < 1:
-            raise ValueError(f"batches {split} need {world} sizes >= 1 summing to {B}")
-    throttle = _Throttle(slowdown[rank])
-    # weighted, the sum of the ranks' gradients is the answer; else their mean, as plain DDP
+    if batches == "proportional":  # every rank's samples per second, timed and all-gathered
+        speeds = measure_speeds(model, x, y, max(1, job.global_batch // world), slowdown[rank],
+                                probe_steps, group)  # fmt: skip
+        split = proportional_batches(speeds, job.global_batch)
+    else:  # "equal", or the sizes given
+        split = _fixed_split(batches, world, job.global_batch)
+    throttle = _Throttle(slowdown[rank])  # a slower processor, by spinning after each backward
+    # weighted: each rank's loss is its summed loss / global batch, and the gradients are SUMMED;
+    # unweighted: each rank's mean loss, and the gradients averaged, as plain DDP does
     sync = GradientAveraging(divide_by=1 if weighted else None)
     plan = union_batches(job.samples, split, rank, steps, job.seed, weighted)
     opt = torch.optim.SGD(model.parameters(), lr=job.lr)
     train_loop(model, opt, x, y, plan, sync=sync, callbacks=[throttle], group=group)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return HeteroRun(rank, split, speeds, throttle.step_s, state, B)
+    return HeteroRun(rank, split, speeds, throttle.step_s, state, job.global_batch)
+
+
+def _checked_slowdown(job: Job, steps: int, slowdown, world: int) -> list[float]:
+    _check_steps(steps)
+    slowdown = [1.0] * world if slowdown is None else [float(s) for s in slowdown]
+    if len(slowdown) != world or any(not math.isfinite(s) or s < 1 for s in slowdown):
+        raise ValueError(f"slowdown needs {world} factors >= 1, got {slowdown}")
+    if job.momentum:
+        raise ValueError("train_heterogeneous takes plain SGD steps: give the job momentum=0")
+    return slowdown
+
+
+def _fixed_split(batches, world: int, global_batch: int) -> list[int]:
+    if batches == "equal":
+        return equal_batches(global_batch, world)
+    if isinstance(batches, str):
+        raise ValueError(f"batches is 'equal', 'proportional' or a list, got {batches!r}")
+    split = [int(b) for b in batches]
+    if len(split) != world or sum(split) != global_batch or min(split) < 1:
+        raise ValueError(f"batches {split} need {world} sizes >= 1 summing to {global_batch}")
+    return split
 
 
 def train_union_reference(job: Job, steps: int) -> dict[str, torch.Tensor]:

@@ -145,17 +145,21 @@ def run_alone(job: Job, steps: int, group=None) -> JobRun:
     )
 
 
+def _check_jobs(jobs: Sequence[Job], steps: int, slice_steps: int) -> None:
+    _check_steps(steps, slice_steps)
+    names = [job.name for job in jobs]
+    if not jobs or len(set(names)) != len(names):
+        raise ValueError(f"run_multiplexed needs jobs with distinct names, got {names}")
+
+
 def run_multiplexed(
     jobs: Sequence[Job], steps: int, slice_steps: int = 5, group=None
 ) -> MultiplexRun:
     """Rank function: ``jobs`` take turns on the same ranks, ``slice_steps`` steps each, until
     each has trained ``steps`` steps. Each job's throughput is its samples over the shared wall
     time: with two equal jobs, about half of what it gets alone."""
-    _check_steps(steps, slice_steps)
-    names = [job.name for job in jobs]
-    if not jobs or len(set(names)) != len(names):
-        raise ValueError(f"run_multiplexed needs jobs with distinct names, got {names}")
-    states = [_JobState(job, group) for job in jobs]
+    _check_jobs(jobs, steps, slice_steps)
+    states = [_JobState(job, group) for job in jobs]  # every job's model and optimizer, in memory
     slices = []
     barrier(group)
     start = time.perf_counter()
@@ -178,42 +182,38 @@ def train_job(job: Job, steps: int, checkpoint_dir: str | os.PathLike, group=Non
     checkpoint in ``checkpoint_dir`` if there is one (saved at any world size), and checkpoint
     at the end. Launched again on fewer ranks with a larger ``steps``, the job has migrated."""
     _check_steps(steps)
-    state = _JobState(job, group)
+    state = _JobState(job, group)  # a fresh model and optimizer on however many ranks run this
     resumed_from = None
-    if (path := checkpoint.latest(checkpoint_dir)) is not None:
-        with warnings.catch_warnings():  # another world size: no RNG is drawn here anyway
-            warnings.simplefilter("ignore", RuntimeWarning)
-            loaded = checkpoint.load(path, model=state.model, optimizer=state.opt, group=group)
-        if loaded.extra.get("job") != job.name:
-            raise ValueError(f"{path} holds job {loaded.extra.get('job')!r}, not {job.name!r}")
-        state.step = resumed_from = loaded.progress.step
-        if state.step > steps:
-            raise ValueError(f"{path} is already at step {state.step}, past steps={steps}")
+    if (path := checkpoint.latest(checkpoint_dir)) is not None:  # the job ran before: resume
+        resumed_from = state.step = _resume(state, path, steps)
     barrier(group)
     start = time.perf_counter()
-    state.train(steps - state.step)
+    state.train(steps - state.step)  # the same global batches as if it had never stopped
     elapsed = time.perf_counter() - start
     epoch, t = divmod(state.step, state.steps_per_epoch)
-    progress = checkpoint.Progress(epoch, t, state.step)
-    checkpoint.save(
+    checkpoint.save(  # model, optimizer and position: all another world size needs to go on
         checkpoint.checkpoint_path(checkpoint_dir, state.step),
         model=state.model,
         optimizer=state.opt,
-        progress=progress,
+        progress=checkpoint.Progress(epoch, t, state.step),
         extra={"job": job.name},
         group=group,
     )
     done = steps - (resumed_from or 0)
-    return JobRun(
-        job.name,
-        state.world,
-        done,
-        done * job.global_batch,
-        elapsed,
-        state.state(),
-        state.losses,
-        resumed_from,
-    )
+    return JobRun(job.name, state.world, done, done * job.global_batch, elapsed, state.state(),
+                  state.losses, resumed_from)  # fmt: skip
+
+
+def _resume(state: _JobState, path, steps: int) -> int:
+    """Load ``path`` into ``state``'s model and optimizer; returns the step it was saved at."""
+    with warnings.catch_warnings():  # another world size: no RNG is drawn here anyway
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loaded = checkpoint.load(path, model=state.model, optimizer=state.opt, group=state.group)
+    if loaded.extra.get("job") != state.job.name:
+        raise ValueError(f"{path} holds job {loaded.extra.get('job')!r}, not {state.job.name!r}")
+    if loaded.progress.step > steps:
+        raise ValueError(f"{path} is already at step {loaded.progress.step}, past steps={steps}")
+    return loaded.progress.step
 
 
 def job_reference(job: Job, steps: int) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,21 @@ class StepProfile:
     def overlap(self) -> float:
         """Share of the communication time hidden by backward."""
         return self.hidden_communication_s / self.communication_s if self.communication_s else 0.0
+
+    def step_spans(self, index: int = 0) -> dict[str, list[Interval]]:
+        """Step ``index``'s backward, all-reduce and hidden (both at once) intervals, in µs
+        since that step began: one step of the timeline, for drawing."""
+        step = [self.steps_at[index]]
+        t0 = step[0][0]
+
+        def clip(spans: list[Interval]) -> list[Interval]:
+            return [(s - t0, e - t0) for s, e in intersection(spans, step)]
+
+        return {
+            "backward": clip(self.backward),
+            "all-reduce": clip(self.communication),
+            "hidden": clip(intersection(self.backward, self.communication)),
+        }
 
     def breakdown(self, per_step: bool = True) -> dict[str, float]:
         """compute + exposed communication + other = wall time (per step, in ms by default)."""
@@ -139,6 +154,17 @@ def analyse_trace(trace: dict | str | os.PathLike, step_name: str = STEP) -> Ste
     )
 
 
+def trace_steps(step: Callable[[], None], steps: int, path: str | os.PathLike, group=None) -> None:
+    """Run ``step()`` ``steps`` times under ``torch.profiler``, each call marked as one
+    ``STEP`` span, and write this rank's trace to ``path`` (Chrome trace-event JSON)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # records every operator's span
+        for _ in range(steps):
+            dist.barrier(group=group)  # outside the span: a late peer is not our communication
+            with record_function(STEP):  # the span that analyse_trace splits
+                step()
+    prof.export_chrome_trace(str(path))  # one file per rank
+
+
 def _wrap(model: nn.Module, wrapper: str, bucket_cap_mb: float, group) -> nn.Module:
     if wrapper == "bucketed":
         return BucketedDDP(model, bucket_cap_mb=bucket_cap_mb, group=group)
@@ -188,12 +214,7 @@ def profile_data_parallel(
 
     for _ in range(warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            dist.barrier(group=group)
-            with record_function(STEP):
-                step()
     path = Path(trace_dir) / f"{wrapper}-rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
+    trace_steps(step, steps, path, group=group)
     return analyse_trace(path)
