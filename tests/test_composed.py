@@ -21,7 +21,7 @@ from dmlbook.advanced.composition.planner import (
     predict_traffic,
     rank_layouts,
 )
-from dmlbook.advanced.composition.training import train_composed
+from dmlbook.advanced.composition.training import PHASES, time_layouts, train_composed
 from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.comm.costmodel import Link
 from dmlbook.data_parallel.loop import train_reference
@@ -191,6 +191,23 @@ def test_mismatched_shapes_and_worlds_raise_on_every_rank_without_a_hang():
         run(_mismatched_sequence, 2, make_dense, batches(), Layout(tp=2), timeout=60)
     with pytest.raises(RankError, match="needs pp x dp x cp x tp = 1 x 4 x 1 x 1 = 4 ranks"):
         run(train_composed, 2, make_dense, batches(), Layout(dp=4), timeout=60)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@pytest.mark.timeout(120)
+def test_time_layouts_gives_each_step_and_its_parts_on_the_slowest_rank():
+    """Chapter 13 times layouts on the network lab this way: per layout, each timed step and
+    the slowest rank's forward/backward, gradient sync and ZeRO-1 step within it."""
+    layouts = [Layout(dp=2), Layout(tp=2)]
+    times = run(time_layouts, 2, make_dense, batches(), layouts, 1, 1, timeout=90)
+    assert times[0] == times[1]  # every rank returns the slowest rank's times
+    for layout in layouts:
+        row = times[0][str(layout)]
+        assert set(row) == {"step", *PHASES} and all(len(v) == STEPS - 1 for v in row.values())
+        for step, *parts in zip(row["step"], *(row[p] for p in PHASES), strict=True):
+            assert all(t >= 0 for t in parts) and max(parts) <= step + 1e-3
 
 
 # --------------------------------------------------------------------------- the planner

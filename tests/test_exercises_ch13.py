@@ -1,12 +1,17 @@
 """Chapter 13's exercise checkers: right answers pass; planted bugs (a plain average of the two
 outputs, the larger log-sum-exp, NaN on rows no key reached; tokens per expert instead of rows
-per rank, experts placed round-robin, an unstable sort, no ValueError; TP as the slowest
-dimension, groups listed out of order, ranks inside a group out of order) are caught with a
-message that says so."""
+per rank, experts placed round-robin, an unstable sort, no ValueError; the ep and edp groups
+swapped, tp ranks inside dp_cp, ranks inside a group out of order, no ValueError) are caught with
+a message that says so; answers that only call the library are refused."""
+
+import math
 
 import pytest
 import torch
 
+from dmlbook.advanced import context_parallel
+from dmlbook.advanced.composition.layout import Layout
+from dmlbook.advanced.expert_parallel.moe import Routing
 from dmlbook.exercises import ExerciseFailed, ch13
 
 
@@ -102,59 +107,88 @@ def test_dispatch_catches_planted_bugs(answer, message):
         ch13.check_all_to_all_dispatch(answer)
 
 
-# ---- 3. mesh groups ---------------------------------------------------------------------------
+# ---- 3. the expert groups --------------------------------------------------------------------
 
 
-def groups(pp, dp, cp, tp):
-    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
-    return {
-        name: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
-        for d, name in enumerate(("pp", "dp", "cp", "tp"))
-    }
+def expert_groups(pp, dp, cp, tp, ep):
+    if (dp * cp) % ep:
+        raise ValueError("ep must divide dp x cp")
+    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp * cp // ep, ep, tp)
+    along = lambda dims: (
+        grid.permute(  # noqa: E731
+            *[d for d in range(4) if d not in dims], *dims
+        )
+        .reshape(-1, math.prod(grid.shape[d] for d in dims))
+        .tolist()
+    )
+    return {"dp_cp": along((1, 2)), "ep": along((2,)), "edp": along((1,))}
 
 
-def groups_tp_slowest(pp, dp, cp, tp):
-    grid = torch.arange(pp * dp * cp * tp).reshape(tp, pp, dp, cp).permute(1, 2, 3, 0)
-    return {
-        name: grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
-        for d, name in enumerate(("pp", "dp", "cp", "tp"))
-    }
+def expert_groups_swapped(pp, dp, cp, tp, ep):
+    right = expert_groups(pp, dp, cp, tp, ep)
+    return {**right, "ep": right["edp"], "edp": right["ep"]}
 
 
-def groups_reversed(pp, dp, cp, tp):
-    return {name: [g[::-1] for g in gs] for name, gs in groups(pp, dp, cp, tp).items()}
+def expert_groups_over_tp(pp, dp, cp, tp, ep):
+    """dp_cp taken as every rank of a pipeline stage: tp ranks mixed in."""
+    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp * cp * tp)
+    return {**expert_groups(pp, dp, cp, tp, ep), "dp_cp": grid.tolist()}
 
 
-def groups_loops_nested_the_other_way(pp, dp, cp, tp):
-    """The right groups, listed with the other coordinates' loops nested fastest-first (for dp
-    on the 2 x 2 x 1 x 2 grid: [0, 2], [4, 6], [1, 3], [5, 7] instead of by first rank)."""
-    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
-    out = {}
-    for d, name in enumerate(("pp", "dp", "cp", "tp")):
-        moved = grid.movedim(d, -1)  # (the other three, this one)
-        out[name] = moved.permute(2, 1, 0, 3).reshape(-1, grid.shape[d]).tolist()
-    return out
+def expert_groups_reversed(pp, dp, cp, tp, ep):
+    return {name: [g[::-1] for g in gs] for name, gs in expert_groups(pp, dp, cp, tp, ep).items()}
 
 
-def groups_both_orders_wrong(pp, dp, cp, tp):
-    mixed = groups_loops_nested_the_other_way(pp, dp, cp, tp)
-    return {name: [g[::-1] for g in gs] for name, gs in mixed.items()}
+def expert_groups_no_check(pp, dp, cp, tp, ep):
+    if (dp * cp) % ep:
+        return {"dp_cp": [], "ep": [], "edp": []}
+    return expert_groups(pp, dp, cp, tp, ep)
 
 
-def test_mesh_groups_passes_the_right_answer_and_not_attempted():
-    assert ch13.check_mesh_groups(groups).status == "passed"
-    assert ch13.check_mesh_groups(unanswered).status == "not attempted"
+def test_expert_groups_passes_the_right_answer_and_not_attempted():
+    assert ch13.check_expert_groups(expert_groups).status == "passed"
+    assert ch13.check_expert_groups(unanswered).status == "not attempted"
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (groups_tp_slowest, "neighbouring ranks"),
-        (groups_reversed, "ranks inside a group are out of order"),
-        (groups_loops_nested_the_other_way, "sort the groups by their first rank"),
-        (groups_both_orders_wrong, "first rank; and ranks inside a group"),
+        (expert_groups_swapped, "those are the edp groups"),
+        (expert_groups_over_tp, "has 4 ranks"),
+        (expert_groups_reversed, "ranks inside a group are out of order"),
+        (expert_groups_no_check, "instead of raising ValueError"),
     ],
 )
-def test_mesh_groups_catches_planted_bugs(answer, message):
+def test_expert_groups_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
-        ch13.check_mesh_groups(answer)
+        ch13.check_expert_groups(answer)
+
+
+# ---- answers that only call the library: each is refused (tests/test_exercise_back_doors.py) ---
+
+
+def _routing_of(expert, n_experts):
+    n = len(expert)
+    return Routing(expert[:, None], torch.ones(n, 1), torch.ones(n, 1, dtype=torch.bool),
+                   torch.bincount(expert, minlength=n_experts), n, torch.zeros(()))  # fmt: skip
+
+
+DELEGATING_ANSWERS = {
+    "online_softmax_merge": lambda out_a, lse_a, out_b, lse_b: context_parallel.merge(
+        out_a, lse_a, out_b, lse_b
+    ),
+    "all_to_all_dispatch": lambda expert, n_experts, world_size: (
+        _routing_of(expert, n_experts).order()[0],
+        torch.bincount(expert // (n_experts // world_size), minlength=world_size),
+    ),
+    "expert_groups": lambda pp, dp, cp, tp, ep: {
+        name: groups
+        for name, groups in Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).group_ranks().items()
+        if name in ("dp_cp", "ep", "edp")
+    },
+}
+
+
+def test_a_hand_made_grid_is_not_a_back_door():
+    """The right answer builds its own grid: it passes with the library switched off."""
+    assert ch13.check_expert_groups(expert_groups).status == "passed"

@@ -41,8 +41,11 @@ def test_who_holds_what_colours_each_group_and_labels_each_rank():
     layout = Layout(dp=2, tp=2, pp=2)
     ax = viz.who_holds_what([f"r{r}" for r in range(8)], layout.group_ranks()["pp"], columns=4)
     texts = [t.get_text() for t in ax.texts]
-    assert texts == [f"rank {r}\nr{r}" for r in range(8)]
-    assert len(ax.lines) == 4  # one line joins the two ranks of each pipeline group
+    assert texts == [f"rank {r}  (group {r % 4})\nr{r}" for r in range(8)]
+    assert len(ax.lines) == 0  # no line crosses the boxes between a group's ranks
+    colour = [p.get_facecolor() for p in ax.patches if isinstance(p, plt.Rectangle)]
+    assert [colour[r] == colour[r + 4] for r in range(4)] == [True] * 4  # a group, one colour
+    assert len(set(colour[:4])) == 4  # and another colour for each group
     plt.close(ax.figure)
 
 
@@ -162,17 +165,21 @@ def test_ring_attention_blocks_name_the_ring_step_of_each_block():
     assert len(ax.patches) == 3  # the future block (query 0-1, key 2-3) is never computed
 
 
-def test_rank_grid_places_tp_fastest_and_joins_each_group():
+def test_rank_grid_places_tp_fastest_and_colours_each_group():
     from dmlbook.advanced.composition.layout import Layout
 
     layout = Layout(pp=2, cp=2, tp=2)
     ax = viz.rank_grid(layout, "cp")
     texts = [t.get_text() for t in ax.texts]
-    assert texts[5] == "rank 5\npp1 dp0\ncp0 tp1"
-    assert len(ax.lines) == 4  # one line per CP group
-    xs = {tuple(line.get_xdata()) for line in ax.lines}
-    ys = {len(set(line.get_ydata())) for line in ax.lines}
-    assert ys == {1} and all(a != b for a, b in xs)  # CP groups run along the row
+    assert texts[5] == "rank 5\npp1 dp0\ncp0 tp1\ncp group 3"  # of [0, 2] [1, 3] [4, 6] [5, 7]
+    assert len(ax.lines) == 0  # no line crosses the boxes between a group's ranks
+    boxes = [p for p in ax.patches if isinstance(p, plt.Rectangle)]
+    colour = [b.get_facecolor() for b in boxes]
+    y = [b.get_y() for b in boxes]
+    for group in layout.group_ranks()["cp"]:  # CP groups run along the row, one colour each
+        assert len({colour[r] for r in group}) == 1 and len({y[r] for r in group}) == 1
+    assert len({colour[g[0]] for g in layout.group_ranks()["cp"]}) == 4
+    plt.close(ax.figure)
 
 
 def test_message_schedule_draws_one_arrow_per_message_in_its_step_column():

@@ -8,14 +8,21 @@
    send_counts)``: with experts laid out in contiguous blocks of ``n_experts / world_size`` per
    rank, the token indices in the order they are sent (grouped by expert, tokens of one expert in
    their original order) and how many go to each rank; ValueError when the experts do not divide.
-3. ``check_mesh_groups``: write ``groups(pp, dp, cp, tp) -> {"pp": [...], "dp": [...], "cp":
-   [...], "tp": [...]}``: for each dimension the lists of global ranks that differ only in that
-   coordinate, on the grid ``(pp, dp, cp, tp)`` with ``tp`` varying fastest, each list in
-   coordinate order, the lists in order of their first rank.
+3. ``check_expert_groups``: write ``expert_groups(pp, dp, cp, tp, ep) -> {"dp_cp": [...], "ep":
+   [...], "edp": [...]}``: on the rank grid ``(pp, dp, cp, tp)``, ``tp`` fastest, the ranks that
+   hold the same dense weights (``dp_cp``), the expert-parallel groups (``ep`` consecutive ranks
+   of each ``dp_cp`` group) and the expert data-parallel groups (the ranks at the same place of
+   those ``ep`` groups); each list in group-rank order, the lists in order of their first rank;
+   ValueError when ``ep`` does not divide ``dp x cp``.
+
+Each checker names in ``writes=`` the library functions that do its exercise's job (dmlbook's and
+torch's); they are switched off while the learner's answer runs, so an answer that only calls
+one of them is told to write the mechanism.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -24,7 +31,29 @@ from dmlbook.advanced.composition.layout import Layout
 from dmlbook.advanced.context_parallel import merge
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
 
-__all__ = ["check_all_to_all_dispatch", "check_mesh_groups", "check_online_softmax_merge"]
+__all__ = ["check_all_to_all_dispatch", "check_expert_groups", "check_online_softmax_merge"]
+
+
+def _importable(name: str) -> bool:
+    """Whether a torch-internal counterpart exists in this torch (its home moves between
+    versions); a checker names it in ``writes`` only where it does."""
+    module, _, rest = name.partition(":")
+    try:
+        owner = importlib.import_module(module)
+        for attribute in rest.split("."):
+            owner = getattr(owner, attribute)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+_TORCH_CP = "torch.distributed.tensor.experimental._context_parallel._attention"
+# torch's ring attention merges each block's (output, log-sum-exp) in this method.
+_TORCH_MERGE = tuple(
+    f"{_TORCH_CP}.{rest}"
+    for rest in ("_SDPAMerger._merge_one",)
+    if _importable(f"{_TORCH_CP}:{rest}")
+)
 
 
 # --------------------------------------------------------------------------- 1. the merge
@@ -46,7 +75,10 @@ def _merge_cases() -> list[tuple[torch.Tensor, ...]]:
     return cases
 
 
-@checker("online_softmax_merge")
+@checker(
+    "online_softmax_merge",
+    writes=("dmlbook.advanced.context_parallel.ring.merge", *_TORCH_MERGE),
+)
 def check_online_softmax_merge(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> str:
     """Check ``fn(out_a, lse_a, out_b, lse_b)`` against the online-softmax rule, on random parts
     and on rows that only one part (or neither) reached."""
@@ -106,7 +138,17 @@ def _dispatch_cases() -> list[tuple[list[int], int, int]]:
     ]
 
 
-@checker("all_to_all_dispatch")
+@checker(
+    "all_to_all_dispatch",
+    writes=(
+        "dmlbook.advanced.expert_parallel.moe.Routing.order",
+        "dmlbook.advanced.expert_parallel.layer.ExpertParallelMoE.forward",
+        "dmlbook.comm.alltoall.all_to_all_single",
+        "dmlbook.comm.alltoall.differentiable_all_to_all",
+        "torch.distributed.all_to_all_single",
+        "torch.distributed.all_to_all",
+    ),
+)
 def check_all_to_all_dispatch(fn: Callable[[torch.Tensor, int, int], tuple]) -> str:
     """Check ``fn(expert, n_experts, world_size)`` returns the send order (grouped by expert,
     stable) and the rows per destination rank, and raises ValueError when experts do not divide."""
@@ -147,11 +189,20 @@ def check_all_to_all_dispatch(fn: Callable[[torch.Tensor, int, int], tuple]) -> 
     return f"right send order and counts for {len(_dispatch_cases())} routings; ValueError too"
 
 
-# --------------------------------------------------------------------------- 3. mesh groups
+# --------------------------------------------------------------------------- 3. expert groups
 
 
-def _mesh_cases() -> list[tuple[int, int, int, int]]:
-    return [(2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 2), (1, 3, 1, 2), (2, 1, 1, 4), (1, 1, 1, 1)]
+def _expert_cases() -> list[tuple[int, int, int, int, int]]:
+    """(pp, dp, cp, tp, ep): ep over cp, over part of cp, over dp, over dp and cp, odd sizes,
+    none (not the layouts the chapter prints: their groups are on the page)."""
+    return [
+        (1, 2, 2, 1, 2),  # ep inside each dp row of cp ranks
+        (2, 1, 4, 2, 2),  # ep = 2 of cp = 4: two ep groups per dp_cp group
+        (1, 4, 1, 1, 2),
+        (2, 2, 2, 1, 4),  # ep spans dp and cp
+        (1, 3, 2, 1, 3),  # odd sizes: ep=3 of dp x cp = 6
+        (1, 2, 1, 2, 1),  # no expert parallelism: ep groups of one rank
+    ]
 
 
 def _order_hint(mine: list[list[int]], want: list[list[int]]) -> str:
@@ -173,30 +224,64 @@ def _order_hint(mine: list[list[int]], want: list[list[int]]) -> str:
     return ": the right groups, but " + "; and ".join(why)
 
 
-@checker("mesh_groups")
-def check_mesh_groups(fn: Callable[[int, int, int, int], dict]) -> str:
-    """Check ``fn(pp, dp, cp, tp)`` returns every dimension's groups on the (pp, dp, cp, tp)
-    grid, tp fastest, as :meth:`dmlbook.advanced.composition.layout.Layout.group_ranks` builds
-    them."""
-    for pp, dp, cp, tp in _mesh_cases():
-        call = f"your groups(pp={pp}, dp={dp}, cp={cp}, tp={tp})"
+_EXPERT_NAMES = ("dp_cp", "ep", "edp")
+
+
+def _expert_hint(name: str, mine: list[list[int]], table: dict[str, list[list[int]]]) -> str:
+    """Why ``mine`` is not the ``name`` groups: the other EP group, groups spanning tp or pp,
+    or the right groups in the wrong order."""
+    want = table[name]
+    as_sets = sorted(map(sorted, mine))
+    if as_sets == sorted(map(sorted, want)):
+        return _order_hint(mine, want)
+    other = {"ep": "edp", "edp": "ep"}.get(name)
+    if other and as_sets == sorted(map(sorted, table[other])):
+        return (
+            f": those are the {other} groups. An ep group is ep *consecutive* ranks of the dp x cp "
+            "ranks (number them i = dp_index * cp + cp_index); edp joins the ranks at the same "
+            "place i % ep of different ep groups"
+        )
+    if mine and any(len(g) != len(w) for g, w in zip(mine, want, strict=False)):
+        return (
+            f": each {name} group has {len(want[0])} ranks, yours {sorted({len(g) for g in mine})}"
+        )
+    return (
+        ": every group's ranks share pp and tp (the same layers, the same weight slices); only "
+        "the dp and cp coordinates vary inside dp_cp"
+    )
+
+
+@checker(
+    "expert_groups",
+    writes=(
+        "dmlbook.advanced.composition.layout.mesh_groups",
+        "dmlbook.advanced.composition.layout.Layout.group_ranks",
+        "dmlbook.advanced.composition.layout.Layout.groups_of",
+        "dmlbook.advanced.composition.layout.Layout.coordinates",
+        "dmlbook.advanced.composition.layout.Layout.rank_of",
+        "torch.distributed.device_mesh.init_device_mesh",
+    ),
+)
+def check_expert_groups(fn: Callable[[int, int, int, int, int], dict]) -> str:
+    """Check ``fn(pp, dp, cp, tp, ep)`` returns the ``dp_cp``, ``ep`` and ``edp`` groups of the
+    (pp, dp, cp, tp) grid as :meth:`dmlbook.advanced.composition.layout.Layout.group_ranks`
+    builds them, and raises ValueError when ``ep`` does not divide ``dp x cp``."""
+    for pp, dp, cp, tp, ep in _expert_cases():
+        call = f"your expert_groups(pp={pp}, dp={dp}, cp={cp}, tp={tp}, ep={ep})"
         with learner_code(call):
-            got = fn(pp, dp, cp, tp)
-        table = Layout(dp=dp, tp=tp, pp=pp, cp=cp).group_ranks()
-        if not isinstance(got, dict) or set(got) != {"pp", "dp", "cp", "tp"}:
+            got = fn(pp, dp, cp, tp, ep)
+        table = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).group_ranks()  # library on again
+        if not isinstance(got, dict) or set(got) != set(_EXPERT_NAMES):
             keys = sorted(got) if isinstance(got, dict) else type(got).__name__
-            raise ExerciseFailed(f"{call} returned {keys}; expected the keys pp, dp, cp, tp")
-        for name in ("tp", "cp", "dp", "pp"):
+            raise ExerciseFailed(f"{call} returned {keys}; expected the keys dp_cp, ep, edp")
+        for name in _EXPERT_NAMES:
             mine = [list(map(int, g)) for g in got[name]]
-            if mine == table[name]:
-                continue
-            hint = ""
-            if sorted(map(sorted, mine)) == sorted(map(sorted, table[name])):
-                hint = _order_hint(mine, table[name])
-            elif name == "tp" and tp > 1 and mine and mine[0][1] - mine[0][0] != 1:
-                hint = (
-                    ": TP groups should be neighbouring ranks (tp varies fastest), so that "
-                    "they share a machine's fast links"
-                )
-            raise ExerciseFailed(f"{call}[{name!r}] = {mine}, expected {table[name]}{hint}")
-    return f"right groups for {len(_mesh_cases())} grids"
+            if mine != table[name]:
+                hint = _expert_hint(name, mine, table)
+                raise ExerciseFailed(f"{call}[{name!r}] = {mine}, expected {table[name]}{hint}")
+    expect_value_error(
+        "your expert_groups(pp=1, dp=3, cp=1, tp=1, ep=2)",
+        lambda: fn(1, 3, 1, 1, 2),
+        "ep=2 does not divide dp x cp = 3, so the experts' groups cannot tile the ranks",
+    )
+    return f"right dp_cp, ep and edp groups for {len(_expert_cases())} grids; ValueError too"

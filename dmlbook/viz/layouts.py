@@ -3,7 +3,8 @@ blocks.
 
 Chapter 9 draws a GEMM's column and row split with ``gemm_split`` and which rank holds what with
 ``who_holds_what``; chapter 9b the ZeRO stages with ``zero_stages``; chapter 13 which rank holds
-what on a 5-D layout with ``who_holds_what``, a layout's rank grid with ``rank_grid``, the tokens
+what on a 5-D layout with ``who_holds_what``, a layout's rank grid with ``rank_grid``, where
+sequence parallelism splits a block's activations with ``sequence_parallel_block``, the tokens
 each expert of a mixture of experts received, kept and dropped against its capacity with
 ``expert_load``, and ring attention's blocks with ``ring_attention_blocks``.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "gemm_split",
     "rank_grid",
     "ring_attention_blocks",
+    "sequence_parallel_block",
     "who_holds_what",
     "zero_stages",
 ]
@@ -118,23 +120,23 @@ def who_holds_what(
 ) -> plt.Axes:
     """Ranks as boxes on a grid of ``columns`` (rank r at row r // columns), each box saying what
     that rank holds (``labels[r]``), the ranks of each of ``groups`` (one dimension's process
-    groups) in one colour and joined by a line."""
+    groups) in one colour and tagged with the group's number (no lines: they would cross the
+    boxes between the members of a group)."""
     n = len(labels)
     rows = -(-n // columns)
     ax = ax or plt.subplots(figsize=(1.9 * columns + 0.6, 1.25 * rows + 0.8))[1]
     colours = plt.get_cmap("tab10")
-    colour_of = {r: colours(g % 10) for g, ranks in enumerate(groups) for r in ranks}
+    group_of = {r: g for g, ranks in enumerate(groups) for r in ranks}
     where = {r: (r % columns, rows - 1 - r // columns) for r in range(n)}
     for r, text in enumerate(labels):
         x, y = where[r]
-        ax.add_patch(plt.Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, color=colour_of.get(r, "0.8"),
-                                   alpha=0.3))  # fmt: skip
-        ax.text(x + 0.5, y + 0.5, f"rank {r}\n{text}", ha="center", va="center", fontsize=7)
-    for g, ranks in enumerate(groups):
-        if len(ranks) > 1:
-            xs = [where[r][0] + 0.5 for r in ranks]
-            ys = [where[r][1] + 0.15 for r in ranks]
-            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.5, ms=3)
+        g = group_of.get(r)
+        colour = "0.8" if g is None else colours(g % 10)
+        ax.add_patch(plt.Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, fc=colour, alpha=0.3,
+                                   ec=colour, lw=2))  # fmt: skip
+        kind = "" if group_name == "group" else f"{group_name} "
+        tag = "" if g is None else f"  ({kind}group {g})"
+        ax.text(x + 0.5, y + 0.5, f"rank {r}{tag}\n{text}", ha="center", va="center", fontsize=7)
     ax.set_xlim(0, columns)
     ax.set_ylim(0, rows)
     ax.set_xticks([])
@@ -159,7 +161,7 @@ def rank_grid(
     """The rank grid ``(pp, dp, cp, tp)`` of a layout, ``tp`` fastest: ``tp`` and then ``cp``
     along the row, ``dp`` and then ``pp`` down the page (a gap between pipeline stages), each box
     its rank and coordinates. ``groups`` names one kind of group of ``layout.group_ranks()``
-    (``"tp"``, ``"ep"``, ...), drawn as a coloured line through the ranks of each.
+    (``"tp"``, ``"ep"``, ...): the ranks of each group share a colour and name their group.
     Chapter 13 draws its layouts with it."""
     pp, dp, cp, tp = layout.pp, layout.dp, layout.cp, layout.tp
     where = {}
@@ -171,16 +173,18 @@ def rank_grid(
     width = cp * (tp + 0.4) - 0.4
     height = pp * (dp + 0.4) - 0.4
     ax = ax or plt.subplots(figsize=(1.1 * width + 1.2, 0.8 * height + 1.0))[1]
-    for rank, (x, y, (p, d, c, t)) in where.items():
-        ax.add_patch(plt.Rectangle((x + 0.06, y + 0.08), 0.88, 0.84, fc="0.93", ec="0.5"))
-        ax.text(x + 0.5, y + 0.5, f"rank {rank}\npp{p} dp{d}\ncp{c} tp{t}", ha="center",
-                va="center", fontsize=6.5)  # fmt: skip
+    colours = plt.get_cmap("tab10")
+    group_of = {}
     if groups is not None:
-        colours = plt.get_cmap("tab10")
-        for g, ranks in enumerate(layout.group_ranks()[groups]):
-            xs = [where[r][0] + 0.86 - 0.05 * (g % 3) for r in ranks]  # right of the text
-            ys = [where[r][1] + 0.86 - 0.05 * (g % 3) for r in ranks]  # below it
-            ax.plot(xs, ys, "-o", color=colours(g % 10), lw=1.8, ms=3.5)
+        group_of = {r: g for g, ranks in enumerate(layout.group_ranks()[groups]) for r in ranks}
+    for rank, (x, y, (p, d, c, t)) in where.items():
+        g = group_of.get(rank)
+        fill = "0.93" if g is None else colours(g % 10)
+        ax.add_patch(plt.Rectangle((x + 0.06, y + 0.08), 0.88, 0.84, fc=fill, ec="0.5",
+                                   alpha=1.0 if g is None else 0.35))  # fmt: skip
+        tag = "" if g is None else f"\n{groups} group {g}"
+        ax.text(x + 0.5, y + 0.5, f"rank {rank}\npp{p} dp{d}\ncp{c} tp{t}{tag}", ha="center",
+                va="center", fontsize=6.5)  # fmt: skip
     ax.set_xlim(-0.1, width + 0.1)
     ax.set_ylim(height + 0.1, -0.1)
     ax.set_xticks([])
@@ -189,6 +193,69 @@ def rank_grid(
     ax.set_ylabel("↓  dp, then pp (stages apart)", fontsize=8)
     default = f"{groups} groups" if groups else "the rank grid"
     ax.set_title(title or default, fontsize=9)
+    return ax
+
+
+def sequence_parallel_block(tp: int = 2, ax: plt.Axes | None = None) -> plt.Axes:
+    """One transformer block on a TP group of ``tp`` ranks, twice (chapter 13): above with tensor
+    parallelism alone, below with sequence parallelism. Each activation ``(B, T, C)`` is a bar
+    of T positions: grey where every rank holds all of them, in rank colours where each rank
+    holds a slice of the sequence. Between the parts, the collective that joins them: a TP
+    region (attention, MLP: heads or columns split) ends in an all-reduce under TP alone, and
+    in a reduce-scatter along the sequence under SP, whose next region opens with an all-gather."""
+    ax = ax or plt.subplots(figsize=(11, 4.4))[1]
+    colours = plt.get_cmap("tab10")
+    parts = ["LayerNorm", "attention\n(heads split)", "dropout\n+ residual\nLayerNorm",
+             "MLP\n(columns, rows\nsplit)", "dropout\n+ residual"]  # fmt: skip
+    region = [False, True, False, True, False]  # inside a TP region: weights split over ranks
+    rows = {"tensor parallelism alone": 2.6, "tensor + sequence parallelism": 0.0}
+    step = 2.2
+
+    def activation(x: float, y: float, split: bool) -> None:
+        for r in range(tp):  # T positions, top to bottom; a slice per rank when split
+            h = 1.4 / tp
+            colour = colours(r % 10) if split else "0.75"
+            ax.add_patch(plt.Rectangle((x, y + 1.4 - (r + 1) * h), 0.22, h, fc=colour,
+                                       ec="white", alpha=0.8))  # fmt: skip
+        ax.text(x + 0.11, y - 0.12, f"T/{tp} each" if split else "all T", ha="center",
+                va="top", fontsize=7)  # fmt: skip
+
+    for name, y in rows.items():
+        sp = "sequence" in name
+        ax.text(-0.3, y + 1.75, name, fontsize=9, fontweight="bold")
+        for i, (part, in_region) in enumerate(zip(parts, region, strict=True)):
+            x = i * step
+            # the activation entering this part: split along T under SP outside the regions
+            activation(x, y, split=sp and not in_region)
+            box_x = x + 0.4
+            ax.add_patch(plt.Rectangle((box_x, y + 0.1), 1.3, 1.2, fc="0.97",
+                                       ec="C3" if in_region else "0.4", lw=1.5 if in_region
+                                       else 1.0))  # fmt: skip
+            ax.text(box_x + 0.65, y + 0.7, part, ha="center", va="center", fontsize=7)
+            arrow = dict(arrowstyle="->", color="0.3")
+            ax.annotate("", (box_x, y + 0.7), (x + 0.24, y + 0.7), arrowprops=arrow)
+            ax.annotate("", (x + step - 0.02, y + 0.7), (box_x + 1.3, y + 0.7), arrowprops=arrow)
+            # the message on the way into this part (above the arrow, clear of the boxes)
+            if in_region:
+                label = "all-gather" if sp else "(no message)"
+                ax.text(x + 0.1, y + 1.5, label, fontsize=7, color="C2" if sp else "0.4")
+            # and on the way out of a region: the collective that closes it
+            if in_region:
+                label = "reduce-scatter" if sp else "all-reduce"
+                ax.text(box_x + 1.35, y + 1.5, label, fontsize=7, color="C1" if sp else "C0")
+        activation(len(parts) * step, y, split=sp)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r % 10), alpha=0.8) for r in range(tp)]
+    handles += [plt.Rectangle((0, 0), 1, 1, color="0.75"), plt.Rectangle((0, 0), 1, 1, fc="0.97",
+                ec="C3", lw=1.5)]  # fmt: skip
+    names = [f"rank {r}'s positions" for r in range(tp)]
+    names += ["all positions, on every rank", "a TP region (weights split)"]
+    ax.legend(handles, names, fontsize=7, loc="upper center", ncol=len(names),
+              bbox_to_anchor=(0.5, -0.02), frameon=False)  # fmt: skip
+    ax.set_xlim(-0.4, len(parts) * step + 0.5)
+    ax.set_ylim(-0.45, 4.7)
+    ax.axis("off")
+    ax.set_title(f"one block on a TP group of {tp}: each bar is an activation (B, T, C), "
+                 "positions T top to bottom", fontsize=9)  # fmt: skip
     return ax
 
 

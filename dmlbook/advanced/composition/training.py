@@ -4,7 +4,7 @@ context and expert parallelism on one char-GPT (chapter 13).
 :func:`train_composed` is a rank function. Every rank builds the same model from a seed,
 :func:`~dmlbook.advanced.composition.compose.compose` keeps its part and builds its ZeRO-1
 optimizers (in the one order of :data:`~dmlbook.advanced.composition.compose.COMPOSITION_ORDER`),
-and each step is the single-process step cut along the layout:
+and each step, :func:`train_step`, is the single-process step cut along the layout:
 
 1. **data** (:func:`rank_batch`): the rows of this rank's DP slice, the positions of its CP chunks;
 2. **forward and backward** (compute, with TP/SP, CP and EP messages inside the layers): the
@@ -16,8 +16,7 @@ and each step is the single-process step cut along the layout:
 4. **ZeRO-1 step**: AdamW by :class:`~dmlbook.advanced.zero.sharded_optimizer.ShardedOptimizer`,
    its state sharded over the same groups, the updated parameters broadcast by their owners.
 
-The steps run on the one training loop (:func:`~dmlbook.data_parallel.loop.train_loop`, its
-step hook the pipeline schedule). The one-process run it equals is
+The one-process run it equals is
 :func:`~dmlbook.data_parallel.loop.train_reference` with ``optimizer=torch.optim.AdamW`` (the
 whole batch), and :func:`compare_with_reference` checks, on every rank, that each parameter it
 holds equals the same slice of the reference model (so every element of the full model is
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.composition.compose import GradientSync, compose
+from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import Layout, ProcessGroups
 from dmlbook.advanced.context_parallel.styles import cp_layout
 from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
@@ -49,17 +48,18 @@ from dmlbook.comm import collectives
 from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.compression import WireMeter
 from dmlbook.comm.groups import even_block
-from dmlbook.data_parallel.loop import Callback, LoopState, train_loop
 from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage
 from dmlbook.models import Batch
 
 __all__ = [
     "ComposedResult",
+    "PHASES",
     "StepMeasurement",
     "compare_with_reference",
     "rank_batch",
-    "train_composed",
     "time_layouts",
+    "train_composed",
+    "train_step",
 ]
 
 
@@ -84,6 +84,8 @@ class ComposedResult:
     timeline: list[OpRecord] = field(default_factory=list)  # the last step: F, B, sync, step
     measurement: StepMeasurement | None = None  # the last step, with measure=True
     step_s: list[float] = field(default_factory=list)  # wall time of each step (barrier to end)
+    phase_s: list[tuple[float, float, float]] = field(default_factory=list)  # each step's
+    # (forward/backward, gradient sync, ZeRO-1 step) seconds
 
 
 def rank_batch(batch: Batch, layout: Layout, coords: dict[str, int]):
@@ -144,78 +146,91 @@ def _common_start() -> float:
     return latest.item()
 
 
-class _ComposedStep(Callback):
-    """One composed step on the one training loop, and what chapter 13 measures of it. It is
-    the loop's step hook (the stage's 1F1B schedule, its messages recorded), what its sync
-    scheme calls (dense and expert gradients averaged, recorded), its optimizer (ZeRO-1, wire
-    bytes counted) and a callback (after each step: the loss curve, the step time; after the
-    last: the timeline and, with ``measure``, the memory and traffic)."""
+def train_step(composed, pipeline: PipelineStage, batch: Batch, microbatches: int):
+    """One composed training step, read top to bottom (picotron's ``train_step``): this rank's
+    part of the batch through its pipeline stage, the gradients averaged, ZeRO-1's update.
+    ``composed``: what :func:`~dmlbook.advanced.composition.compose.compose` returned;
+    ``pipeline``: its stage as chapter 6's :class:`~dmlbook.model_parallel.pipeline.
+    PipelineStage`; ``batch``: this rank's rows and positions (:func:`rank_batch`)."""
+    idx, targets = batch  # (B / dp, T / cp): my DP rows, my CP positions
+    first, last = pipeline.is_first, pipeline.is_last
+    composed.zero_grad()
+    # Compute: forward and backward of every micro-batch in 1F1B order. Inside the layers run
+    # the TP/SP collectives, ring attention's K/V passes and the experts' all-to-alls; between
+    # stages, each micro-batch's activations go forward and its gradients come back.
+    result = pipeline.train_step(
+        idx if first else None,  # only the first stage reads tokens
+        targets if last else None,  # only the last stage has the loss
+        composed.model.loss if last else None,
+        microbatches=microbatches,
+        schedule="1f1b",
+    )
+    composed.sync_gradients()  # communication: dense over dp_cp, experts over edp
+    composed.step()  # ZeRO-1: each owner updates its share and broadcasts it
+    return result  # .loss on the last stage: the mean over my tokens
 
-    def __init__(self, composed, stage: PipelineStage, microbatches: int, measure: bool,
-                 steps: int) -> None:  # fmt: skip
-        self.composed, self.stage, self.microbatches = composed, stage, microbatches
-        self.layout, self.coords = composed.groups.layout, composed.groups.coords
-        self.is_last = self.coords["pp"] == self.layout.pp - 1
-        self.measure, self.last = measure, steps - 1
-        self.losses, self.step_s, self.timeline = [], [], []
-        self.measured: StepMeasurement | None = None
 
-    def __call__(self, state: LoopState, batch: Batch) -> torch.Tensor | None:
-        """The step hook: forward and backward of every micro-batch (compute, with the TP/SP,
-        CP, EP messages inside the layers and the activations between stages)."""
-        idx, targets = batch
-        _same_batch_shape(idx)
+class _Measured:
+    """What chapter 13 measures of :func:`train_step`, without a line of it changed: stands in
+    for the pipeline stage and for the composed model (everything else passes through), records
+    the messages and wire bytes of each phase, its times and, on the last step, the memory."""
+
+    def __init__(self, composed, pipeline: PipelineStage, measure: bool, steps: int) -> None:
+        self.composed, self.pipeline, self.measure, self.last = (
+            composed,
+            pipeline,
+            measure,
+            steps - 1,
+        )
+        self.model, self.is_first, self.is_last = (
+            composed.model,
+            pipeline.is_first,
+            pipeline.is_last,
+        )
+        self.step_index = 0
+
+    def zero_grad(self) -> None:
+        self.composed.zero_grad()
+
+    def train_step(self, idx, targets, loss_fn, **options):
         self.t0 = _common_start()
+        memory = self.measure and self.step_index == self.last
         with collectives.recording() as self.sends, WireMeter() as self.wire_fb:
-            self.result = self.stage.train_step(
-                idx if self.coords["pp"] == 0 else None,
-                targets if self.is_last else None,
-                self.composed.model.loss if self.is_last else None,
-                microbatches=self.microbatches,
-                schedule="1f1b",
-                measure_memory=self.measure and state.step == self.last,
-            )
-        self.t_sync = time.time()
-        return torch.tensor(self.result.loss) if self.is_last else None
+            self.result = self.pipeline.train_step(idx, targets, loss_fn, measure_memory=memory,
+                                                   **options)  # fmt: skip
+        return self.result
 
     def sync_gradients(self) -> None:
-        """What the sync scheme (:class:`~dmlbook.advanced.composition.compose.GradientSync`)
-        calls after backward: gradients averaged over dp_cp (dense) and edp (experts)."""
+        self.t_sync = time.time()
         with collectives.recording() as self.sync_sends, WireMeter() as self.wire_sync:
             self.composed.sync_gradients()
         self.grads = _bytes(p.grad for p in self.composed.stage.parameters())
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.composed.zero_grad()
-
     def step(self) -> None:
-        """The optimizer: ZeRO-1's step, each owner broadcasting what it updated."""
         self.t_step = time.time()
         with WireMeter() as self.wire_opt:
             self.composed.step()
         self.t_end = time.time()
+        self.step_index += 1
 
-    def on_step(self, state: LoopState) -> None:
-        layout, result = self.layout, self.result
-        self.step_s.append(self.t_end - self.t0)
-        mine = result.loss if self.is_last and self.coords["tp"] == 0 else 0.0
-        loss = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(loss)  # for the curve: the last stages' losses, averaged over dp x cp
-        self.losses.append(loss.item() / (layout.dp * layout.cp))
-        if state.step - 1 != self.last:
-            return
-        self.timeline = [  # the pipeline's ops are timed from its own common start, ~t0
-            *result.timeline,
+    def phases(self) -> tuple[float, float, float]:
+        """Seconds of the last step's forward/backward, gradient sync and ZeRO-1 step."""
+        return self.t_sync - self.t0, self.t_step - self.t_sync, self.t_end - self.t_step
+
+    def timeline(self) -> list[OpRecord]:
+        """The step's F and B ops (timed from the pipeline's own common start, ~t0), then the
+        gradient sync and the ZeRO-1 step."""
+        return [
+            *self.result.timeline,
             OpRecord("sync", -1, self.t_sync - self.t0, self.t_step - self.t0),
             OpRecord("step", -1, self.t_step - self.t0, self.t_end - self.t0),
         ]
-        if self.measure:
-            self.measured = self._measurement()
 
-    def _measurement(self) -> StepMeasurement:
+    def measurement(self) -> StepMeasurement:
+        layout = self.composed.groups.layout
         sent: dict[str, int] = {d: 0 for d in ("dp", "tp", "pp", "cp", "ep")}
         for s in self.sends:
-            sent[_dimension_of(s, self.layout)] += s.nbytes
+            sent[_dimension_of(s, layout)] += s.nbytes
         sent["pp"] += self.result.sent_bytes
         sent["dp"] += sum(s.nbytes for s in self.sync_sends)
         return StepMeasurement(
@@ -254,19 +269,31 @@ def train_composed(
     rows, seq = batches[0][0].shape
     layout.validate_model(model.config, seq, rows, microbatches, n_experts)
     composed = compose(model, groups, None, torch.optim.AdamW, lr=lr)
-    stage = PipelineStage(composed.stage, coords["pp"], layout.pp, groups.pp, device="cpu")
-    step = _ComposedStep(composed, stage, microbatches, measure, len(batches))
-    plan = [rank_batch(batch, layout, coords) for batch in batches]  # my rows and positions
-    train_loop(composed.model, step, None, None, plan, sync=GradientSync(step), callbacks=[step],
-               forward_backward=step)  # fmt: skip
+    pipeline = PipelineStage(composed.stage, coords["pp"], layout.pp, groups.pp, device="cpu")
+    measured = _Measured(composed, pipeline, measure, len(batches))
+    losses, step_s, phase_s = [], [], []
+    for batch in batches:
+        mine = rank_batch(batch, layout, coords)
+        _same_batch_shape(mine.inputs)  # a ValueError on every rank, not a hang, if they differ
+        result = train_step(measured, measured, mine, microbatches)
+        step_s.append(measured.t_end - measured.t0)
+        phase_s.append(measured.phases())
+        last = result.loss if pipeline.is_last and coords["tp"] == 0 else 0.0
+        loss = torch.tensor([last], dtype=torch.float64)
+        dist.all_reduce(loss)  # for the curve: the last stages' losses, averaged over dp x cp
+        losses.append(loss.item() / (layout.dp * layout.cp))
     max_diff = None
     if reference_state is not None:
         reference = make_model()
         reference.load_state_dict(reference_state)
         max_diff = compare_with_reference(composed.stage, reference, groups)
     return ComposedResult(
-        step.losses, groups.rank, coords, max_diff, step.timeline, step.measured, step.step_s
-    )
+        losses, groups.rank, coords, max_diff, measured.timeline(),
+        measured.measurement() if measure else None, step_s, phase_s,
+    )  # fmt: skip
+
+
+PHASES = ("forward/backward", "gradient sync", "ZeRO-1 step")  # the parts of a timed step
 
 
 def time_layouts(
@@ -275,14 +302,17 @@ def time_layouts(
     layouts: Sequence[Layout],
     microbatches: int = 1,
     warmup: int = 1,
-) -> dict[str, list[float]]:
-    """Rank function: train with each layout in turn on the same ranks; for each, the step
-    times after ``warmup`` steps, each the slowest rank's (seconds, from the common start)."""
+) -> dict[str, dict[str, list[float]]]:
+    """Rank function: train with each layout in turn on the same ranks. For each, after
+    ``warmup`` steps: ``"step"``, each step's time on the slowest rank (seconds, from the common
+    start), and for each of :data:`PHASES` the slowest rank's seconds in that part of each step."""
     cache: dict = {}
     times = {}
     for layout in layouts:
         result = train_composed(make_model, batches, layout, microbatches, group_cache=cache)
-        slowest = torch.tensor(result.step_s[warmup:], dtype=torch.float64)
+        rows = [[total, *parts] for total, parts in zip(result.step_s, result.phase_s, strict=True)]
+        slowest = torch.tensor(rows[warmup:], dtype=torch.float64)  # (steps, 1 + phases)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times[str(layout)] = slowest.tolist()
+        columns = slowest.t().tolist()
+        times[str(layout)] = dict(zip(("step", *PHASES), columns, strict=True))
     return times

@@ -68,6 +68,7 @@ from dmlbook.models import CausalSelfAttention, FeedForward
 
 __all__ = [
     "SEQUENCE_PARALLEL_PLAN",
+    "AllGatherLinear",
     "AttentionSequenceParallel",
     "ColumnSequenceParallelLinear",
     "ColwiseSequenceParallel",
@@ -89,7 +90,7 @@ __all__ = [
 # --------------------------------------------------------------------------- layers
 
 
-class _GatherLinear(torch.autograd.Function):
+class AllGatherLinear(torch.autograd.Function):
     """All-gather the sequence, then ``x W^T + b``; saves only this rank's block of x and
     gathers it again in backward for W's gradient (Megatron's sequence-parallel linear)."""
 
@@ -104,9 +105,7 @@ class _GatherLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         whole = _all_gather_sequence(x, ctx.group, "backward")  # communication: the sequence again
         grad_whole = grad @ weight  # (B, T, C): this rank's columns' share of the input grad
-        grad_x = _reduce_scatter_sequence(
-            grad_whole, ctx.group, "backward"
-        )  # summed, my tokens only
+        grad_x = _reduce_scatter_sequence(grad_whole, ctx.group, "backward")  # my tokens, summed
         grad_w = grad.flatten(0, -2).t() @ whole.flatten(0, -2)  # (out / t, C)
         grad_b = grad.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
@@ -120,7 +119,7 @@ class ColumnSequenceParallelLinear(tp.ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_output:
             raise ValueError("a sequence-parallel column linear keeps its output split")
-        return _GatherLinear.apply(x, self.weight, self.bias, self.group)
+        return AllGatherLinear.apply(x, self.weight, self.bias, self.group)
 
 
 class RowSequenceParallelLinear(tp.RowParallelLinear):
