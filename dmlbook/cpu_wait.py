@@ -27,7 +27,13 @@ import torch.distributed as dist
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.comm.groups import device as rank_device
 
-__all__ = ["cores_are_free", "cpu_wait_in_burst", "cpu_wait_s", "scheduler_clock"]
+__all__ = [
+    "cores_are_free",
+    "cpu_wait_in_burst",
+    "cpu_wait_s",
+    "scheduler_clock",
+    "thread_cpu_wait_s",
+]
 
 
 def scheduler_clock(threads=None) -> tuple[float, float]:
@@ -60,6 +66,12 @@ def cpu_wait_s() -> float:
 def _thread_wait_s() -> float:
     """:func:`cpu_wait_s` for the calling thread alone: a share of its wall time is at most 1."""
     return scheduler_clock([threading.get_native_id()])[1]
+
+
+def thread_cpu_wait_s() -> float:
+    """:func:`cpu_wait_s` for the calling thread alone (chapter 6 sets it beside each forward a
+    stage runs on that thread): what other work on the machine took from this thread's work."""
+    return _thread_wait_s()
 
 
 def cpu_wait_in_burst(seconds: float = 0.3, group: dist.ProcessGroup | None = None) -> float:

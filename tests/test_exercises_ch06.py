@@ -1,11 +1,13 @@
 """Chapter 6's exercise checkers: right answers pass; planted bugs (GPipe's order, a warm-up one
-too long or too short, no min() for M < P, a B before its F; the busy fraction, per-stage spans,
-the mean of per-stage idle fractions, stage 0's span alone, a span from t = 0, no division by
-the stage count) are caught with a message that says so."""
+too long or too short, no min() for M < P, a B before its F; micro-batch losses not scaled by
+1/M, gradients zeroed between micro-batches, the whole batch in one forward, the summed loss
+returned) are caught with a message that says so; an answer that calls the library is told to
+write the mechanism (``DELEGATING_ANSWERS``, run by ``tests/test_exercise_back_doors.py``)."""
 
 import pytest
 
 from dmlbook.exercises import ExerciseFailed, ch06
+from dmlbook.model_parallel import pipeline as pp
 
 
 def unanswered(*args):
@@ -72,67 +74,110 @@ def test_one_f_one_b_order_catches_planted_bugs(answer, message):
         ch06.check_one_f_one_b_order(answer)
 
 
-def bubble(timelines):
-    records = [r for t in timelines for r in t]
-    span = max(r.end for r in records) - min(r.start for r in records)
-    return 1 - sum(r.end - r.start for r in records) / (len(timelines) * span)
+def microbatch_grads(model, loss_fn, inputs, targets, microbatches):
+    total = 0.0
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss = loss_fn(model(x), y) * len(x) / len(inputs)  # its share of the rows
+        loss.backward()
+        total += loss.item()
+    return total
 
 
-def bubble_busy(timelines):
-    return 1 - bubble(timelines)
+def _pieces(inputs, targets, microbatches):
+    return zip(inputs.tensor_split(microbatches), targets.tensor_split(microbatches), strict=True)
 
 
-def bubble_per_stage_span(timelines):
-    busy = sum(r.end - r.start for t in timelines for r in t)
-    return 1 - busy / sum(t[-1].end - t[0].start for t in timelines)
+def grads_one_over_m(model, loss_fn, inputs, targets, microbatches):
+    total = 0.0
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss = loss_fn(model(x), y) / microbatches
+        loss.backward()
+        total += loss.item()
+    return total
 
 
-def bubble_from_zero(timelines):
-    records = [r for t in timelines for r in t]
-    return 1 - sum(r.end - r.start for r in records) / (
-        len(timelines) * max(r.end for r in records)
-    )
+def grads_unscaled(model, loss_fn, inputs, targets, microbatches):
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss_fn(model(x), y).backward()
+    return 0.0
 
 
-def bubble_one_stage(timelines):
-    records = [r for t in timelines for r in t]
-    span = max(r.end for r in records) - min(r.start for r in records)
-    return 1 - sum(r.end - r.start for r in records) / span
+def grads_zeroed_each_time(model, loss_fn, inputs, targets, microbatches):
+    total = 0.0
+    for x, y in _pieces(inputs, targets, microbatches):
+        model.zero_grad()
+        loss = loss_fn(model(x), y) * len(x) / len(inputs)
+        loss.backward()
+        total += loss.item()
+    return total
 
 
-def bubble_mean_of_stages(timelines):
-    spans = [t[-1].end - t[0].start for t in timelines]
-    busy = [sum(r.end - r.start for r in t) for t in timelines]
-    idle = [1 - b / span for b, span in zip(busy, spans, strict=True)]
-    return sum(idle) / len(timelines)
+def grads_whole_batch(model, loss_fn, inputs, targets, microbatches):
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    return loss.item()
 
 
-def bubble_stage0_span(timelines):
-    busy = sum(r.end - r.start for t in timelines for r in t)
-    return 1 - busy / (len(timelines) * (timelines[0][-1].end - timelines[0][0].start))
+def grads_mean_of_losses(model, loss_fn, inputs, targets, microbatches):
+    losses = []
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss = loss_fn(model(x), y)
+        (loss * len(x) / len(inputs)).backward()
+        losses.append(loss.item())
+    return sum(losses) / len(losses)
 
 
-def test_bubble_passes_the_right_answer():
-    assert ch06.check_bubble(bubble).status == "passed"
+def grads_no_backward(model, loss_fn, inputs, targets, microbatches):
+    return sum(loss_fn(model(x), y).item() for x, y in _pieces(inputs, targets, microbatches))
+
+
+def test_microbatch_gradients_passes_the_right_answer():
+    assert ch06.check_microbatch_gradients(microbatch_grads).status == "passed"
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (bubble_busy, "that is the BUSY fraction"),
-        (bubble_per_stage_span, "each stage over its own span; measure every stage over the same"),
-        (bubble_mean_of_stages, "you averaged each stage's idle fraction over that stage's own"),
-        (bubble_stage0_span, "you took stage 0's span for the whole step"),
-        (bubble_from_zero, "not at t = 0"),
-        (bubble_one_stage, "divide the busy time by stages x span"),
-        (lambda timelines: None, "return a number"),
+        (grads_one_over_m, "they weight every micro-batch by 1/M, but these micro-batches hold"),
+        (grads_unscaled, "the sum of the micro-batches' gradients, M times too large"),
+        (grads_zeroed_each_time, "the LAST micro-batch's alone. Backward adds into .grad"),
+        (grads_whole_batch, "a forward saw all 12 rows at once"),
+        (grads_mean_of_losses, "the mean of the micro-batches' losses"),
+        (grads_no_backward, "some parameters have no .grad"),
+        (lambda *args: None, "expected 4 forwards"),
     ],
 )
-def test_bubble_catches_planted_bugs(answer, message):
+def test_microbatch_gradients_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
-        ch06.check_bubble(answer)
+        ch06.check_microbatch_gradients(answer)
 
 
 def test_unanswered_exercises_are_not_attempted():
     assert ch06.check_one_f_one_b_order(unanswered).status == "not attempted"
-    assert ch06.check_bubble(unanswered).status == "not attempted"
+    assert ch06.check_microbatch_gradients(unanswered).status == "not attempted"
+
+
+def _order_from_the_library(stage, stages, microbatches):
+    actions = pp.stage_actions(pp.one_f_one_b_schedule(stages, microbatches), stage)
+    return [(a.op, a.microbatch) for a in actions]
+
+
+def _grads_from_the_executor(model, loss_fn, inputs, targets, microbatches):
+    stage = pp.PipelineStage(model, 0, 1, device="cpu")
+    return stage.train_step(inputs, targets, loss_fn, microbatches).loss
+
+
+DELEGATING_ANSWERS = {
+    "one_f_one_b_order": _order_from_the_library,
+    "microbatch_gradients": _grads_from_the_executor,
+}
+
+
+def test_the_schedule_table_is_no_way_round():
+    def via_the_table(stage, stages, microbatches):
+        actions = pp.stage_actions(pp.SCHEDULES["1f1b"](stages, microbatches), stage)
+        return [(a.op, a.microbatch) for a in actions]
+
+    with pytest.raises(ExerciseFailed, match="called the library instead"):
+        ch06.check_one_f_one_b_order(via_the_table)
+    assert pp.SCHEDULES["1f1b"] is pp.one_f_one_b_schedule  # put back afterwards

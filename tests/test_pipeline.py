@@ -404,6 +404,43 @@ def test_a_rank_that_raises_mid_step_is_a_rank_error():
 # ---- the benchmark's records ------------------------------------------------------------------
 
 
+def test_held_activations_draws_each_stage_up_to_its_peak():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dmlbook.viz.pipeline import held_activations
+
+    R = pp.OpRecord
+    gpipe = [[R("F", 0, 0, 1), R("F", 1, 1, 2), R("B", 0, 2, 3), R("B", 1, 3, 4)]]
+    ax = held_activations(gpipe, caps=[1], cap_label="1F1B: at most")
+    line = ax.get_lines()[0]
+    assert max(line.get_ydata()) == 2 and line.get_ydata()[-1] == 0  # F0 F1: 2 held, all freed
+    assert "stage 0: 1F1B: at most 1" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_executor_ops_are_public_and_run_one_stage():
+    """One stage with no group: run_schedule's F and B leave the gradients of the mean loss."""
+    model = mlp(seed=0, in_features=4, hidden=(6,), out_features=2).double()
+    stage = pp.PipelineStage(model, 0, 1, device="cpu")
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    result = stage.train_step(x, y, nn.functional.mse_loss, 3, "1f1b")
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item())
+    assert all(torch.allclose(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    assert [(r.op, r.microbatch) for r in result.timeline] == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+    ]
+    assert stage.held == {} and result.peak_live_activations == 1
+
+
 def test_bench_pipeline_writes_the_promised_records(tmp_path):
     import json
 
@@ -416,7 +453,7 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
     records = json.loads(path.read_text())
     keys = {"schedule", "stages", "microbatches", "median_step_s", "bubble_measured", "bubble_best"}
     keys |= {"bubble_theory", "bubble_packed", "wait_s", "message_s", "ratio_vs_torch"}
-    keys |= {"cores_busy"}
+    keys |= {"cores_busy", "steps_s"}
     assert [(r["schedule"], r["microbatches"]) for r in records] == [
         ("vanilla", 1),
         ("gpipe", 2),
@@ -425,6 +462,7 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
     for r in records:
         assert set(r) == keys
         assert r["stages"] == 2 and r["median_step_s"] > 0 and r["ratio_vs_torch"] > 0
+        assert len(r["steps_s"]) == 3 and min(r["steps_s"]) <= r["median_step_s"]
         assert 0 <= r["bubble_best"] <= r["bubble_measured"] < 1  # least of 3 steps, median
         assert 0 <= r["bubble_packed"] <= r["bubble_measured"] + 1e-12
         assert r["wait_s"] >= 0 and r["message_s"] > 0

@@ -349,3 +349,14 @@ def test_pipelined_training_and_serving_on_gpus_equal_single_process():
     expected = pw.serve_reference(gpt(), requests()).outputs
     for got, wanted in zip(ranks[-1][1].outputs, expected, strict=True):
         torch.testing.assert_close(got, wanted, rtol=0, atol=1e-9)
+
+
+def test_completion_ticks_as_a_table():
+    from dmlbook.model_parallel.pipeline_serving import completion_ticks
+
+    # micro-batches of 4: samples 0-3 in micro-batch 0, which leaves stage 1 (of 2) at tick 2
+    assert completion_ticks([4, 4, 4, 4], 4, 2) == [2, 3, 4, 5]
+    assert completion_ticks([3, 5, 2, 6], 4, 2) == [2, 3, 4, 5]  # requests straddle micro-batches
+    assert completion_ticks([1, 1, 1], 2, 3) == [3, 3, 4]  # two requests share micro-batch 0
+    assert completion_ticks([10], 3, 2) == [5]  # four micro-batches, the last one short
+    assert completion_ticks([8, 8], 4, 1) == [2, 4]

@@ -58,6 +58,19 @@ def test_dp_and_bisection_equal_brute_force_on_many_random_cost_vectors():
     assert cases > 400
 
 
+def test_the_best_two_stage_split_is_the_dp_with_two_stages():
+    rng = random.Random(3)
+    for n in range(2, 10):
+        for _ in range(20):
+            costs = random_costs(rng, n)
+            counts = sb.best_two_stage_split(costs)
+            check_partition(costs, 2, counts)
+            assert max(sb.stage_costs(costs, counts)) == brute_force_bottleneck(costs, 2)
+    assert sb.best_two_stage_split([100, 1, 1, 1, 1]) == [1, 4]
+    with pytest.raises(ValueError, match="cannot split 1 layers into 2 stages"):
+        sb.best_two_stage_split([1.0])
+
+
 def test_known_partitions():
     assert sb.linear_partition([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]  # 15 | 13 | 17
     assert sb.linear_partition([100, 1, 1, 1, 1], 2) == [1, 4]

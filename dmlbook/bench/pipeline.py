@@ -3,6 +3,10 @@
 Our vanilla, GPipe and 1F1B schedules (:mod:`dmlbook.model_parallel.pipeline`) against
 ``torch.distributed.pipelining``'s on the same stage modules: step time, and the measured bubble
 beside the theory (P-1)/(M+P-1). Chapter 6 runs :func:`bench_pipeline` on a small model.
+
+Chapter 6's timed runs use :func:`schedule_steps`, a rank function that builds this rank's stage
+and runs a few steps of each schedule, recording how long each forward waited for a CPU; then
+:func:`median_step` and :func:`least_idle` pick steps out of what it returned.
 """
 
 from __future__ import annotations
@@ -86,6 +90,60 @@ def _pipeline_step_times(
     out["cores_busy"] = max(before, cpu_wait_in_burst())
     out["message_s"] = {m: one_message_s(batch // m, width, dev) for _, m in cases}
     return out
+
+
+def schedule_steps(make_model, loss_fn, batch, cases, steps=4, measure_memory=False) -> dict:
+    """On each rank of a launch: build this rank's stage of ``make_model()`` (an even split), then
+    run ``steps`` training steps of each ``(schedule, microbatches)`` in ``cases``. Returns, per
+    case, each step's :class:`StepResult`, with ``forward_waits``: the seconds each forward's thread
+    spent ready to run but without a CPU (Linux's scheduler statistics), to tell the stage's work
+    from other work on the machine."""
+    from dmlbook.cpu_wait import thread_cpu_wait_s as wait_s
+    from dmlbook.model_parallel import pipeline as pp
+
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    layers = pp.layers_of(make_model())
+    module = pp.split_model(layers, pp.even_partition(len(layers), stages))[rank]
+    stage = pp.PipelineStage(module, rank, stages)
+    waited = []
+    module.register_forward_pre_hook(lambda m, args: waited.append(wait_s()))
+    module.register_forward_hook(lambda m, args, y: waited.append(wait_s() - waited.pop()))
+    out = {}
+    for schedule, microbatches in cases:
+        out[schedule, microbatches] = []
+        for _ in range(steps):
+            module.zero_grad()
+            result = stage.train_step(
+                *batch, loss_fn, microbatches, schedule, measure_memory=measure_memory
+            )
+            result.forward_waits, waited[:] = list(waited), []
+            out[schedule, microbatches].append(result)
+    return out
+
+
+def steps_of(results: list[dict], case) -> list[list]:
+    """Per step of ``case``, the timelines of all stages (``run``'s list of
+    :func:`schedule_steps` results), step 0 (the warm-up) left out."""
+    return [
+        [by_rank[case][k].timeline for by_rank in results] for k in range(1, len(results[0][case]))
+    ]
+
+
+def median_step(results: list[dict], case) -> list:
+    """The step of ``case`` whose measured idle fraction is the median one."""
+    from dmlbook.model_parallel import pipeline as pp
+    from dmlbook.notebook import median_by
+
+    return median_by(steps_of(results, case), key=pp.measured_bubble)
+
+
+def least_idle(results: list[dict], case) -> float:
+    """The least idle fraction of any step of ``case``. Where stages overlap, other work on the
+    machine only adds idle time (a stage that slept in a receive waits for a CPU before it goes
+    on), so a claim that overlap cuts idle time is checked on the step it disturbed least."""
+    from dmlbook.model_parallel import pipeline as pp
+
+    return min(map(pp.measured_bubble, steps_of(results, case)))
 
 
 def one_message_s(rows: int, width: int, dev=None, repeats: int = 20) -> float:
@@ -183,6 +241,7 @@ def bench_pipeline(
                 "stages": stages,
                 "microbatches": m,
                 "median_step_s": step_s,
+                "steps_s": list(measured[0][case]["ours"]),  # every timed step, slowest stage
                 "bubble_measured": bubble,
                 "bubble_best": min(bubbles),
                 "bubble_theory": theory,

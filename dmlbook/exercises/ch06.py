@@ -4,20 +4,27 @@
    ...]``, the order in which stage ``stage`` of a 1F1B pipeline runs its ops: ``min(P - s - 1,
    M)`` warm-up forwards, then one forward and one backward in turn, then the backwards left
    (:func:`dmlbook.model_parallel.pipeline.one_f_one_b_schedule` builds it for every stage).
-2. ``check_bubble``: write ``bubble(timelines) -> float``, the idle fraction of a real pipelined
-   step from its per-stage timelines of :class:`dmlbook.model_parallel.pipeline.OpRecord`: one
-   minus the busy time of all stages over (stages x the span from the first start to the last end)
-   (:func:`dmlbook.model_parallel.pipeline.measured_bubble`).
+2. ``check_microbatch_gradients``: write ``grads(model, loss_fn, inputs, targets, microbatches)
+   -> float``: run the batch through ``model`` as M micro-batches, one forward and one backward
+   each, so that the gradients accumulated in ``.grad`` are those of the whole batch's mean loss,
+   and return that loss. Micro-batches may differ in size (10 rows in 4), where the 1/M of
+   :class:`dmlbook.model_parallel.pipeline.PipelineStage` (equal micro-batches only) is wrong:
+   each micro-batch's mean loss counts for its share of the rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
 
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
 from dmlbook.model_parallel import pipeline as pp
+from dmlbook.model_parallel import schedules
 
-__all__ = ["check_bubble", "check_one_f_one_b_order"]
+__all__ = ["check_microbatch_gradients", "check_one_f_one_b_order"]
 
 # (stages, micro-batches): a short and a long pipe, M < P, M = 1, and a single stage
 _ORDER_CASES = [(2, 4), (3, 6), (4, 8), (4, 2), (3, 1), (1, 3)]
@@ -35,6 +42,18 @@ def _peak_live(ops: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
+@contextmanager
+def _schedule_table_too() -> Iterator[None]:
+    """Inside :func:`learner_code`: the executor's table of schedules by name holds 1F1B too, so
+    it gets the same stand-in as the module's name (``pp.SCHEDULES["1f1b"]`` is no way round)."""
+    original = schedules.SCHEDULES["1f1b"]
+    schedules.SCHEDULES["1f1b"] = schedules.one_f_one_b_schedule  # the stand-in, while switched off
+    try:
+        yield
+    finally:
+        schedules.SCHEDULES["1f1b"] = original
+
+
 @checker("one_f_one_b_order", writes=("dmlbook.model_parallel.pipeline.one_f_one_b_schedule",))
 def check_one_f_one_b_order(fn: Callable[[int, int, int], Sequence[tuple[str, int]]]) -> str:
     """Check ``fn(stage, stages, microbatches)`` against the 1F1B order of every stage of
@@ -43,7 +62,7 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], Sequence[tuple[str, in
     for stages, microbatches in _ORDER_CASES:
         for stage in range(stages):
             case = f"stage {stage} of P = {stages} stages with M = {microbatches} micro-batches"
-            with learner_code(f"your order for {case}"):
+            with learner_code(f"your order for {case}"), _schedule_table_too():
                 got = fn(stage, stages, microbatches)
             try:
                 got = [(str(op), int(mb)) for op, mb in got]
@@ -100,88 +119,138 @@ def _diagnose(got, want, stage: int, stages: int, microbatches: int) -> str:
     return f"after the warm-up, alternate one F and one B, then drain the B's left ({shown})"
 
 
-def _timeline_cases() -> list[tuple[str, list[list[pp.OpRecord]]]]:
-    R = pp.OpRecord
-    two_stages = [  # GPipe, P = 2, M = 2, B twice as long as F, starting at t = 0
-        [R("F", 0, 0, 1), R("F", 1, 1, 2), R("B", 0, 5, 7), R("B", 1, 7, 9)],
-        [R("F", 0, 1, 2), R("F", 1, 2, 3), R("B", 0, 3, 5), R("B", 1, 5, 7)],
-    ]
-    late_start = [  # the clock did not start at the first op, and stage 1 starts after stage 0
-        [R("F", 0, 2.0, 2.5), R("B", 0, 4.0, 5.0)],
-        [R("F", 0, 2.6, 3.1), R("B", 0, 3.1, 4.0)],
-    ]
-    three_stages = [  # 1F1B, P = 3, M = 3, with uneven op times
-        [R("F", 0, 0.1, 0.3), R("F", 1, 0.3, 0.5), R("F", 2, 0.5, 0.7), R("B", 0, 1.6, 2.0)]
-        + [R("B", 1, 2.1, 2.5), R("B", 2, 2.6, 3.0)],
-        [R("F", 0, 0.3, 0.6), R("F", 1, 0.6, 0.9), R("B", 0, 1.2, 1.6), R("F", 2, 1.6, 1.9)]
-        + [R("B", 1, 1.9, 2.1), R("B", 2, 2.2, 2.6)],
-        [R("F", 0, 0.6, 0.8), R("B", 0, 0.8, 1.2), R("F", 1, 1.2, 1.4), R("B", 1, 1.4, 1.9)]
-        + [R("F", 2, 1.9, 2.0), R("B", 2, 2.0, 2.2)],
-    ]
-    forward_only = [  # serving: no backward, so the LAST stage is the last to finish
-        [R("F", 0, 0, 1), R("F", 1, 1, 2)],
-        [R("F", 0, 1, 3), R("F", 1, 3, 5)],
-    ]
+# --------------------------------------------------------------------------- 2. micro-batches
+
+
+def _gradient_cases():
+    """(name, model factory, loss_fn, inputs, targets, micro-batches): equal and unequal cuts."""
+    g = torch.Generator().manual_seed(6)
+
+    def mlp() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    x = torch.randn(12, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (12,), generator=g)
+    mse, ce = nn.functional.mse_loss, nn.functional.cross_entropy
     return [
-        ("2 stages, GPipe, M = 2", two_stages),
-        ("2 stages whose first op starts at t = 2.0 s", late_start),
-        ("3 stages, 1F1B, M = 3", three_stages),
-        ("2 stages, forward only, the last stage finishing last", forward_only),
+        ("12 rows, mean squared error, M = 4", mlp, mse, x, y, 4),
+        ("12 rows, cross-entropy, M = 1", mlp, ce, x, labels, 1),
+        ("10 rows, cross-entropy, M = 4 (unequal micro-batches)", mlp, ce, x[:10], labels[:10], 4),
+        ("11 rows, mean squared error, M = 3 (unequal)", mlp, mse, x[:11], y[:11], 3),
     ]
 
 
-@checker("bubble")
-def check_bubble(fn: Callable[[Sequence[Sequence[pp.OpRecord]]], float]) -> str:
-    """Check ``fn(timelines)`` on four step timelines: it must return the idle fraction,
-    1 - (busy time of all stages) / (stages x (last end - first start))."""
-    for name, timelines in _timeline_cases():
-        copies = [list(t) for t in timelines]
-        with learner_code(f"your bubble on {name}"):
-            got = fn(copies)
-        want = pp.measured_bubble(timelines)
-        try:
-            got = float(got)
-        except (TypeError, ValueError) as error:
-            raise ExerciseFailed(f"on {name}: return a number, got {got!r}") from error
-        if abs(got - want) <= 1e-9:
-            continue
-        raise ExerciseFailed(
-            f"on {name}: the bubble is {want:.4f}, got {got:.4f}{_hint(got, timelines)}"
-        )
-    return "the idle fraction of 4 timelines (2 and 3 stages, one late, one forward only)"
+def _weighted(make, loss_fn, x, y, rows, weights) -> tuple[list[torch.Tensor], float]:
+    """The gradients and loss of sum_i weights[i] * (micro-batch i's mean loss), cut by rows."""
+    model, total = make(), 0.0
+    for xs, ys, w in zip(x.split(rows), y.split(rows), weights, strict=True):
+        loss = w * loss_fn(model(xs), ys)
+        if w:
+            loss.backward()
+        total += loss.item()
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ], total
 
 
-def _hint(got: float, timelines) -> str:
-    records = [r for t in timelines for r in t]
-    busy = sum(r.end - r.start for r in records)
-    first, last = min(r.start for r in records), max(r.end for r in records)
-    stages = len(timelines)
-    spans = [max(r.end for r in t) - min(r.start for r in t) for t in timelines]
-    busy_of = [sum(r.end - r.start for r in t) for t in timelines]
-    own_idle = [1 - b / span for b, span in zip(busy_of, spans, strict=True)]
-    near = lambda x: abs(got - x) <= 1e-9  # noqa: E731
-    same_span = (
-        "measure every stage over the same span, from the first start to the last end over ALL "
-        "stages: a stage that starts late, or finishes early, is idle for the rest of the step"
+def _close(got: list, want: list) -> bool:
+    return all(
+        a is not None and torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+        for a, b in zip(got, want, strict=True)
     )
-    if near(busy / (stages * (last - first))):
-        return ": that is the BUSY fraction; the bubble is the idle one, 1 - busy fraction"
-    if near(1 - busy / sum(spans)):
-        return f": you measured each stage over its own span; {same_span}"
-    if near(sum(own_idle) / stages):
-        return (
-            ": you averaged each stage's idle fraction over that stage's own span, which leaves "
-            f"out the time before its first op and after its last; {same_span}"
-        )
-    stage0 = spans[0]
-    if near(1 - busy / (stages * stage0)):
-        return (
-            ": you took stage 0's span for the whole step, but the last op to end can be on "
-            "another stage (here, forward only, it is the last stage's); take the last end "
-            "over ALL stages"
-        )
-    if near(1 - busy / (stages * last)):
-        return ": the span starts at the earliest start over all stages, not at t = 0"
-    if near(1 - busy / (last - first)):
-        return ": divide the busy time by stages x span: every stage could have been busy"
-    return ""
+
+
+@checker(
+    "microbatch_gradients", writes=("dmlbook.model_parallel.pipeline.PipelineStage.train_step",)
+)
+def check_microbatch_gradients(fn: Callable[..., float]) -> str:
+    """Check ``fn(model, loss_fn, inputs, targets, microbatches)`` runs M forwards (one per
+    micro-batch, none of the whole batch), leaves in ``.grad`` the gradients of the whole batch's
+    mean loss, and returns that loss, for equal and unequal micro-batches; a wrong answer is
+    explained (1/M where micro-batches differ in size, no scaling, gradients zeroed between
+    micro-batches, the mean of the micro-batch losses returned, ...)."""
+    for name, make, loss_fn, x, y, microbatches in _gradient_cases():
+        reference = make()
+        want_loss = loss_fn(reference(x), y)
+        want_loss.backward()
+        want = [p.grad.clone() for p in reference.parameters()]
+
+        model, rows = make(), []
+        model.register_forward_pre_hook(lambda m, args, rows=rows: rows.append(len(args[0])))
+        with learner_code(f"your answer on {name}"):
+            got_loss = fn(model, loss_fn, x.clone(), y.clone(), microbatches)
+        got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        n = len(x)
+        if microbatches > 1 and n in rows:
+            raise ExerciseFailed(
+                f"on {name}: a forward saw all {n} rows at once. Cut the batch into "
+                f"{microbatches} micro-batches and run them one by one, as a pipeline's stages "
+                "receive them"
+            )
+        if len(rows) != microbatches or sum(rows) != n:
+            raise ExerciseFailed(
+                f"on {name}: expected {microbatches} forwards that together cover the {n} rows "
+                f"once, the model saw forwards of {rows} rows"
+            )
+        if any(grad is None for grad in got):
+            raise ExerciseFailed(
+                f"on {name}: some parameters have no .grad. Call backward on each micro-batch's "
+                "loss, and keep the graph (no torch.no_grad, no .detach() before the loss)"
+            )
+        m = microbatches
+        if not _close(got, want):
+            slips = {
+                f"they weight every micro-batch by 1/M, but these micro-batches hold {rows} rows: "
+                "a micro-batch's mean loss counts for its share of the rows, n_i / N": [1 / m] * m,
+                "they are the sum of the micro-batches' gradients, M times too large where the "
+                "micro-batches are equal. Scale each micro-batch's mean loss by its share of the "
+                "rows (1/M when they are equal) before backward": [1.0] * m,
+                "they are the LAST micro-batch's alone. Backward adds into .grad: do not zero "
+                "the gradients between micro-batches, let them accumulate": [0.0] * (m - 1)
+                + [rows[-1] / n],
+                "they are the LAST micro-batch's alone, scaled by 1/M. Backward adds into .grad: "
+                "do not zero the gradients between micro-batches": [0.0] * (m - 1) + [1 / m],
+            }
+            hint = next(
+                (
+                    f": {why}"
+                    for why, weights in slips.items()
+                    if _close(got, _weighted(make, loss_fn, x, y, rows, weights)[0])
+                ),
+                "",
+            )
+            raise ExerciseFailed(
+                f"on {name}: the gradients differ from those of one backward of the whole "
+                f"batch's mean loss{hint}"
+            )
+        try:
+            got_loss = float(got_loss)
+        except (TypeError, ValueError) as error:
+            raise ExerciseFailed(
+                f"on {name}: return the batch's mean loss as a number, got {got_loss!r}"
+            ) from error
+        if abs(got_loss - want_loss.item()) > 1e-9:
+            slips = {
+                "the mean of the micro-batches' losses, which weights a short micro-batch as "
+                "much as a long one; weight each by its share of the rows": [1 / m] * m,
+                "the sum of the micro-batches' mean losses; weight each by its share of the rows": [
+                    1.0
+                ]
+                * m,
+            }
+            hint = next(
+                (
+                    f": that is {why}"
+                    for why, weights in slips.items()
+                    if abs(got_loss - _weighted(make, loss_fn, x, y, rows, weights)[1]) <= 1e-9
+                ),
+                "",
+            )
+            raise ExerciseFailed(
+                f"on {name}: the batch's mean loss is {want_loss.item():.6f}, got "
+                f"{got_loss:.6f}{hint}"
+            )
+    return "the whole batch's gradients and mean loss from 1, 3 and 4 micro-batches, equal or not"

@@ -11,7 +11,11 @@
    requests queue in order, their samples are cut into micro-batches of ``microbatch_size``
    (the last may be short), micro-batch k is on stage s during tick k + s (one tick per stage),
    and a request is answered when the micro-batch holding its last sample leaves the last stage;
-   return each request's tick, counting ticks from 1.
+   return each request's tick, counting ticks from 1
+   (:func:`dmlbook.model_parallel.pipeline_serving.completion_ticks`).
+
+Each checker switches off, while the learner's code runs, the library functions that do the job
+(``writes=``), so an answer that only calls them is told to write the mechanism.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
-from dmlbook.model_parallel import stage_balancing
+from dmlbook.model_parallel import pipeline_serving, stage_balancing
 
 __all__ = ["check_completion_ticks", "check_linear_partition", "check_pipeline_throughput"]
 
@@ -61,7 +65,13 @@ def _greedy_average(costs: Sequence[float], stages: int) -> list[int]:
     return counts
 
 
-@checker("linear_partition")
+@checker(
+    "linear_partition",
+    writes=(
+        "dmlbook.model_parallel.stage_balancing.linear_partition",
+        "dmlbook.model_parallel.stage_balancing.partition_by_bisection",
+    ),
+)
 def check_linear_partition(fn: Callable[[list[float], int], list[int]]) -> str:
     """Check ``fn(costs, stages)`` returns layers per stage, each >= 1, summing to len(costs),
     whose largest stage cost is the smallest possible; and raises ValueError for more stages
@@ -122,7 +132,7 @@ def _throughput_cases() -> list[tuple[list[float], list[int], int, int]]:
     ]
 
 
-@checker("pipeline_throughput")
+@checker("pipeline_throughput", writes=("dmlbook.model_parallel.stage_balancing.pipeline_time",))
 def check_pipeline_throughput(fn: Callable[[list[float], list[int], int, int], float]) -> str:
     """Check ``fn(layer_costs, counts, microbatches, microbatch_size)`` is the samples per second
     of a forward-only pipeline of M micro-batches: M * size / (sum + (M - 1) * max) over stages."""
@@ -169,11 +179,6 @@ def check_pipeline_throughput(fn: Callable[[list[float], list[int], int, int], f
 # --------------------------------------------------------------------------- 3. completion ticks
 
 
-def _completion_ticks(sizes: Sequence[int], microbatch_size: int, stages: int) -> list[int]:
-    ends = itertools.accumulate(sizes)  # index one past each request's last sample
-    return [(end - 1) // microbatch_size + stages for end in ends]
-
-
 def _tick_cases() -> list[tuple[list[int], int, int]]:
     return [
         ([4, 4, 4, 4], 4, 2),  # one request per micro-batch
@@ -201,7 +206,7 @@ def _tick_mistakes(sizes: Sequence[int], size: int, stages: int) -> dict[str, li
     }
 
 
-@checker("completion_ticks")
+@checker("completion_ticks", writes=("dmlbook.model_parallel.pipeline_serving.completion_ticks",))
 def check_completion_ticks(fn: Callable[[list[int], int, int], list[int]]) -> str:
     """Check ``fn(request_sizes, microbatch_size, stages)`` gives, for each request, the tick
     (from 1) at which the micro-batch holding its last sample leaves the last stage."""
@@ -211,7 +216,7 @@ def check_completion_ticks(fn: Callable[[list[int], int, int], list[int]]) -> st
         with learner_code(call):
             answers.append([int(t) for t in fn(list(sizes), size, stages)])
     for (sizes, size, stages), got in zip(_tick_cases(), answers, strict=True):
-        want = _completion_ticks(sizes, size, stages)
+        want = pipeline_serving.completion_ticks(sizes, size, stages)
         if got == want:
             continue
         # A slip explains the answer only if it gives the learner's ticks on EVERY case.

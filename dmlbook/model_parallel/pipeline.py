@@ -11,7 +11,10 @@ It comes in three modules, one idea each; this one also gives the other two's na
   ``gpipe_schedule`` and ``one_f_one_b_schedule`` each return a list of :class:`Action`;
   ``check_schedule`` says whether an executor can run one. The timelines a run records
   (:class:`OpRecord`) give ``measured_bubble``, to set beside ``bubble_theory``.
-- *The executor* (this module). One :class:`PipelineStage` per rank runs any valid list.
+- *The executor* (this module). One :class:`PipelineStage` per rank runs any valid list:
+  :meth:`PipelineStage.run_schedule` walks the stage's actions, :meth:`PipelineStage.forward`
+  receives an activation, computes and sends, :meth:`PipelineStage.backward` receives the
+  gradient of the output, backpropagates and sends the gradient of the input back.
   Activations travel forward and gradients backward with ``torch.distributed`` point-to-point
   messages. With the first activation of each step goes a small header (dtype and shape): the
   receiver caches it and re-learns the shape only when it changed. Gradients need none: they have
@@ -158,6 +161,10 @@ class PipelineStage:
         self.handshakes = 0  # how often the receive side had to (re)learn the shape
         self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.sent_bytes, self.wait_s = 0, 0.0
+        self.t0, self.held, self.outputs, self.timeline = 0.0, {}, [], []
+        self.inputs = self.targets = self.loss_fn = None
+        self.microbatches, self.loss_sum, self.peak_live = 1, 0.0, 0
+        self._header_due = self._header_expected = True
 
     # -- public steps
 
@@ -195,7 +202,9 @@ class PipelineStage:
 
             meter = SavedTensorMeter([*self.module.parameters(), *self.module.buffers(), *data])
         with meter:
-            result = self._run(actions, microbatches, inputs, targets, loss_fn)
+            self._begin_step(microbatches, inputs, targets, loss_fn)
+            self.run_schedule(actions)
+            result = self._end_step(training=True)
         if measure_memory:
             result.peak_saved_bytes = meter.peak
         return result
@@ -209,67 +218,77 @@ class PipelineStage:
             if inputs is None:
                 raise ValueError("the first stage needs the batch's inputs")
             inputs = _split(inputs.to(self.device), microbatches, "inputs")
-        return self._run(actions, microbatches, inputs, None, None)
+        self._begin_step(microbatches, inputs, None, None)
+        self.run_schedule(actions)
+        return self._end_step(training=False)
 
-    # -- the loop learners step through
+    # -- the mechanism: one stage's loop, and its two ops
 
-    def _run(self, actions, microbatches, inputs, targets, loss_fn) -> StepResult:
-        """Run this stage's actions in order; F and B each receive, compute, then send."""
-        self.pending_sends, self.sent_bytes, self.wait_s = [], 0, 0.0
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output)
-        outputs: list[torch.Tensor] = []
-        loss_sum, peak_live, timeline = 0.0, 0, []
-        first_forward = True
-        t0 = self._common_t0()
+    def run_schedule(self, actions: Sequence[Action]) -> None:
+        """Run this stage's actions in order: each F or B receives, computes, then sends."""
         for action in actions:
-            mb = action.microbatch
             if action.op == "F":
-                # receive: the previous stage's activation (the first stage has the inputs)
-                x = inputs[mb] if self.is_first else self._recv_activation(first_forward)
-                start = self._now(t0)
-                y = self.module(x)  # compute
-                if self.is_last and loss_fn is not None:
-                    # Scale by 1/M so that the micro-batches' gradients add up to the batch mean's.
-                    y = loss_fn(y, targets[mb]) / microbatches
-                    loss_sum += y.item()
-                elif self.is_last:
-                    outputs.append(y)
-                end = self._now(t0)
-                if not self.is_last:
-                    self._send(y.detach(), self.stage + 1, header=first_forward)  # communication
-                if torch.is_grad_enabled():
-                    held[mb] = (x, y)  # kept for backward: y's graph holds the activations
-                    peak_live = max(peak_live, len(held))
-                first_forward = False
-            else:  # "B"
-                x, y = held.pop(mb)  # this micro-batch's activations die after its backward
-                if self.is_last:
-                    start = self._now(t0)
-                    y.backward()  # compute: the scaled micro-batch loss
-                else:
-                    grad_y = self._recv(torch.empty_like(y), self.stage + 1)  # from the next
-                    start = self._now(t0)
-                    torch.autograd.backward(y, grad_y)  # compute
-                end = self._now(t0)
-                if not self.is_first:
-                    self._send(x.grad, self.stage - 1)  # communication: dL/dx to the previous
-                del x, y
-            timeline.append(OpRecord(action.op, mb, start, end))
-            self._reap_sends()
+                self.forward(action.microbatch)
+            else:
+                self.backward(action.microbatch)
         for work, _ in self.pending_sends:  # every send has left before its buffer may go
             work.wait()
         self.pending_sends = []
-        training = any(a.op == "B" for a in actions)
-        return StepResult(
-            loss=loss_sum if self.is_last and training else None,
-            outputs=torch.cat(outputs) if outputs else None,
-            timeline=timeline,
-            peak_live_activations=peak_live,
+
+    def forward(self, mb: int) -> None:
+        """F of micro-batch ``mb``: receive the previous stage's activation, compute, send on."""
+        x = self.inputs[mb] if self.is_first else self._recv_activation()  # receive
+        start = self._now()
+        y = self.module(x)  # compute
+        if self.is_last and self.loss_fn is not None:
+            # Scale by 1/M so that the micro-batches' gradients add up to the batch mean's.
+            y = self.loss_fn(y, self.targets[mb]) / self.microbatches
+            self.loss_sum += y.item()
+        elif self.is_last:
+            self.outputs.append(y)
+        self.timeline.append(OpRecord("F", mb, start, self._now()))
+        if not self.is_last:
+            self._send(y.detach(), self.stage + 1)  # send: a non-blocking isend
+        if torch.is_grad_enabled():
+            self.held[mb] = (x, y)  # kept for backward: y's graph holds the activations
+            self.peak_live = max(self.peak_live, len(self.held))
+
+    def backward(self, mb: int) -> None:
+        """B of micro-batch ``mb``: receive the gradient of this stage's output, backpropagate,
+        send the gradient of its input to the previous stage."""
+        x, y = self.held.pop(mb)  # this micro-batch's activations die after its backward
+        # receive dL/dy from the next stage; the last stage's y is its scaled loss: no gradient
+        grad_y = None if self.is_last else self._recv(torch.empty_like(y), self.stage + 1)
+        start = self._now()
+        torch.autograd.backward(y, grad_y)  # compute: adds into the parameters' .grad
+        self.timeline.append(OpRecord("B", mb, start, self._now()))
+        if not self.is_first:
+            self._send(x.grad, self.stage - 1)  # send dL/dx back
+
+    # -- helpers: the step's state, schedule, clock, point-to-point
+
+    def _begin_step(self, microbatches, inputs, targets, loss_fn) -> None:
+        self.microbatches, self.loss_fn = microbatches, loss_fn
+        self.inputs, self.targets = inputs, targets  # micro-batches: first and last stage only
+        self.pending_sends, self.sent_bytes, self.wait_s = [], 0, 0.0
+        self.held = {}  # micro-batch -> (input, output), until its backward
+        self.outputs = []
+        self.loss_sum, self.peak_live, self.timeline = 0.0, 0, []
+        self._header_due = self._header_expected = True  # the step's first activation has one
+        self.t0 = self._common_t0()
+
+    def _end_step(self, training: bool) -> StepResult:
+        result = StepResult(
+            loss=self.loss_sum if self.is_last and training else None,
+            outputs=torch.cat(self.outputs) if self.outputs else None,
+            timeline=self.timeline,
+            peak_live_activations=self.peak_live,
             sent_bytes=self.sent_bytes,
             wait_s=self.wait_s,
         )
-
-    # -- helpers: schedule, clock, point-to-point
+        self.inputs = self.targets = self.loss_fn = None
+        self.held, self.outputs = {}, []
+        return result
 
     def _actions(self, schedule, microbatches: int, backward: bool) -> list[Action]:
         if isinstance(schedule, str):
@@ -292,18 +311,21 @@ class PipelineStage:
             arrived = latest.item()
         return arrived
 
-    def _now(self, t0: float) -> float:
+    def _now(self) -> float:
+        """Seconds since the step's common t0 (for the timeline only)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # for the timeline only: kernels are async
-        return time.time() - t0
+            torch.cuda.synchronize(self.device)  # kernels are async
+        return time.time() - self.t0
 
     def _peer(self, stage: int) -> int:
         """Global rank of a stage (point-to-point calls take global ranks)."""
         return stage if self.group is None else dist.get_global_rank(self.group, stage)
 
-    def _send(self, tensor: torch.Tensor, stage: int, header: bool = False) -> None:
-        """Post a non-blocking send; with ``header``, first say what dtype and shape it has."""
-        if header:
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        """Post a non-blocking send; the step's first activation forward goes after a header
+        that says what dtype and shape it has."""
+        if stage > self.stage and self._header_due:
+            self._header_due = False
             if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
                 raise ValueError(f"cannot send a {tensor.dtype} activation of {tensor.dim()} dims")
             code = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
@@ -311,6 +333,7 @@ class PipelineStage:
             self._post(torch.tensor(code, dtype=torch.int64, device=self.device), stage)
         self.sent_bytes += tensor.numel() * tensor.element_size()
         self._post(tensor.contiguous(), stage)
+        self._reap_sends()
 
     def _post(self, tensor: torch.Tensor, stage: int) -> None:
         work = dist.isend(tensor, dst=self._peer(stage), group=self.group)
@@ -325,13 +348,14 @@ class PipelineStage:
         self.wait_s += time.perf_counter() - start
         return buffer
 
-    def _recv_activation(self, first_of_step: bool) -> torch.Tensor:
+    def _recv_activation(self) -> torch.Tensor:
         """The previous stage's output for the next micro-batch, as a leaf that needs a grad.
 
         The first activation of a step follows a header; the receiver caches the shape and only
         re-learns it when the sender's shape changed (a new batch size or sequence length).
         """
-        if first_of_step:
+        if self._header_expected:
+            self._header_expected = False
             header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
             code = self._recv(header, self.stage - 1).tolist()
             meta = (_DTYPES[code[0]], torch.Size(code[2 : 2 + code[1]]))

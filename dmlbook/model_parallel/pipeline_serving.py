@@ -9,6 +9,8 @@ pipeline together as micro-batches, so that stage 1 works on one request while s
 works on the next (1: one at a time, no overlap). :func:`serve_reference` is one process answering
 them one by one. Both report each request's latency and the stream's wall time
 (:class:`ServeResult`), and the time the stage lost waiting for a CPU (:mod:`dmlbook.cpu_wait`).
+:func:`completion_ticks` is the same stream on paper: when each request is answered when one
+micro-batch moves one stage per tick.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dmlbook.cpu_wait import cpu_wait_s
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel.layer_split import _stage_of
 
-__all__ = ["ServeResult", "serve_pipelined", "serve_reference"]
+__all__ = ["ServeResult", "completion_ticks", "serve_pipelined", "serve_reference"]
 
 
 @dataclass
@@ -39,6 +41,18 @@ class ServeResult:
     total_s: float  # wall time for the whole stream
     timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
     cpu_wait: float = 0.0  # seconds lost waiting for a CPU during the stream (see cpu_wait_s)
+
+
+def completion_ticks(request_sizes: Sequence[int], microbatch_size: int, stages: int) -> list[int]:
+    """Requests queue in order and their samples are cut into micro-batches of
+    ``microbatch_size`` (the last may be short); micro-batch k is on stage s during tick k + s.
+    Each request is answered when the micro-batch holding its last sample leaves the last stage:
+    that tick, counting from 1, per request."""
+    ticks, end = [], 0
+    for size in request_sizes:
+        end += size  # one past this request's last sample
+        ticks.append((end - 1) // microbatch_size + stages)
+    return ticks
 
 
 def _windows(n: int, in_flight: int) -> list[range]:

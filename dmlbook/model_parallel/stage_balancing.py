@@ -7,12 +7,14 @@ layers differ in cost leaves the light stages waiting. Balancing is three steps:
 
 1. measure each layer's cost: :func:`measure_layer_costs` (seconds of forward + backward on one
    micro-batch, median of repeats) or :func:`measure_layer_bytes` (what a stage holds per layer);
-2. choose contiguous stages that minimise the largest stage cost: :func:`linear_partition`, the
-   linear-partition dynamic program, exact. ``torch.distributed.pipelining`` has no balancer (the
-   user names the split points); torchgpipe's and fairscale's ``balance_by_time`` and
-   ``balance_by_size`` solve this problem with a block-partition heuristic that may miss the
-   optimum. So the DP is checked against brute force and against a second, independent method,
-   :func:`partition_by_bisection` (binary search on the bottleneck with a greedy feasibility test);
+2. choose contiguous stages that minimise the largest stage cost: for 2 stages by trying every
+   cut (:func:`best_two_stage_split`, what chapter 7 shows), for P stages by
+   :func:`linear_partition`, the linear-partition dynamic program, exact.
+   ``torch.distributed.pipelining`` has no balancer (the user names the split points);
+   torchgpipe's and fairscale's ``balance_by_time`` and ``balance_by_size`` solve this problem
+   with a block-partition heuristic that may miss the optimum. So the DP is checked against brute
+   force and against a second, independent method, :func:`partition_by_bisection` (binary search
+   on the bottleneck with a greedy feasibility test);
 3. predict what the split buys: :func:`stage_costs`, and :func:`pipeline_time` for a pipeline of
    M micro-batches.
 """
@@ -30,6 +32,7 @@ from torch import nn
 from dmlbook.model_parallel.recompute import SavedTensorMeter
 
 __all__ = [
+    "best_two_stage_split",
     "linear_partition",
     "measure_layer_bytes",
     "measure_layer_costs",
@@ -139,6 +142,15 @@ def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
         totals.append(sum(costs[start : start + count]))  # left to right, as the DP adds
         start += count
     return totals
+
+
+def best_two_stage_split(costs: Sequence[float]) -> list[int]:
+    """Layers per stage of the best split into 2 stages: try every cut, keep the one whose
+    slower stage is fastest. (P stages have C(n - 1, P - 1) cuts: :func:`linear_partition`.)"""
+    _check(costs, 2)
+    n = len(costs)
+    cuts = [[k, n - k] for k in range(1, n)]  # k layers on stage 0, the rest on stage 1
+    return min(cuts, key=lambda counts: max(stage_costs(costs, counts)))
 
 
 def linear_partition(costs: Sequence[float], stages: int) -> list[int]:

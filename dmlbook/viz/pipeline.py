@@ -3,9 +3,10 @@
 Chapter 4 draws what recomputation keeps and reruns with ``checkpoint_segments``; chapters 6 and 7
 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as white
 space), and chapter 6 hatches and totals each stage's idle time with ``idle_gaps`` to derive the
-bubble; chapter 13 draws one composed step of every rank with ``gantt`` (its gradient sync and
-optimizer step in their own colours). :mod:`dmlbook.model_parallel.schedules` draws its schedules
-with ``gantt`` too.
+bubble, and draws with ``held_activations`` how many micro-batches' activations each stage holds
+through a step; chapter 13 draws one composed step of every rank with ``gantt`` (its gradient
+sync and optimizer step in their own colours). :mod:`dmlbook.model_parallel.schedules` draws its
+schedules with ``gantt`` too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "GANTT_COLOURS",
     "checkpoint_segments",
     "gantt",
+    "held_activations",
     "idle_gaps",
 ]
 
@@ -83,12 +85,14 @@ def gantt(
     ax = ax or plt.subplots(figsize=(8, 0.55 * rows + 1.1))[1]
     starts = [r.start for timeline in timelines for r in timeline]
     t0 = min(starts, default=0.0)
+    span = max((r.end for timeline in timelines for r in timeline), default=t0) - t0
     for row, timeline in enumerate(timelines):
         for r in timeline:
             left, width = (r.start - t0) * scale, (r.end - r.start) * scale
             colour = GANTT_COLOURS.get(r.op, "0.6")
             ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
-            if r.microbatch >= 0:  # -1: not a micro-batch's op (sync, step)
+            # -1: not a micro-batch's op (sync, step); a box too narrow for its number gets none
+            if r.microbatch >= 0 and r.end - r.start >= 0.012 * span:
                 ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center",
                         fontsize=7)  # fmt: skip
     ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
@@ -137,4 +141,47 @@ def idle_gaps(
     handles = [*legend.legend_handles, plt.Rectangle((0, 0), 1, 1, fc="w", ec="0.55", hatch="///")]
     names = [t.get_text() for t in legend.get_texts()] + ["idle"]
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def held_activations(
+    timelines: Sequence[Sequence[_Op]],
+    caps: Sequence[int] | None = None,
+    title: str = "",
+    cap_label: str = "at most",
+    ax: plt.Axes | None = None,
+    unit: str = "slot",
+) -> plt.Axes:
+    """How many micro-batches' activations each stage holds through a step: one step line per
+    stage, up by one when a forward starts (its input and what autograd saves stay), down by one
+    when that micro-batch's backward ends. ``caps[s]``, drawn dashed in the stage's colour and
+    labelled with ``cap_label``, is a bound to compare with (chapter 6: 1F1B's P - s)."""
+    scale = {"slot": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    ax = ax or plt.subplots(figsize=(8, 2.8))[1]
+    records = [r for timeline in timelines for r in timeline]
+    t0, t1 = min(r.start for r in records), max(r.end for r in records)
+    for stage, timeline in enumerate(timelines):
+        events = sorted(
+            [(r.start, 1) for r in timeline if r.op == "F"]
+            + [(r.end, -1) for r in timeline if r.op == "B"]
+        )
+        times, held, level = [0.0], [0], 0
+        for time, change in events:
+            level += change
+            times.append((time - t0) * scale)
+            held.append(level)
+        times.append((t1 - t0) * scale)
+        held.append(level)
+        offset = 0.06 * (stage - (len(timelines) - 1) / 2)  # lines that coincide stay visible
+        ax.step(times, [h + offset for h in held], where="post", color=f"C{stage}", lw=1.8,
+                label=f"stage {stage}")  # fmt: skip
+        if caps is not None:
+            ax.axhline(caps[stage] + offset, color=f"C{stage}", ls="--", lw=1,
+                       label=f"stage {stage}: {cap_label} {caps[stage]}")  # fmt: skip
+    ax.set_xlim(0, (t1 - t0) * scale)
+    ax.set_ylim(0, max(len({r.microbatch for r in timeline}) for timeline in timelines) + 0.6)
+    ax.set_xlabel("time slot (every op lasts one)" if unit == "slot" else f"time ({unit})")
+    ax.set_ylabel("micro-batches held")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, fontsize=9)
     return ax
