@@ -10,6 +10,7 @@ checks that the checker refuses it with a message that says it called the librar
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -70,6 +71,18 @@ def test_an_answer_that_calls_the_library_is_rejected(check, capsys):
     # ... and the library is back afterwards: the checker switched it off only for the answer.
     for name in check.writes:
         assert not _is_stand_in(name), f"{name} is still switched off after the check"
+
+
+@pytest.mark.parametrize("check", CHECKERS, ids=lambda c: f"{c.__module__[18:]}.{c.exercise}")
+def test_the_library_function_itself_is_rejected(check, capsys):
+    """``my_answer = lib.fn`` (or a partial of it) never passes through a switched-off name."""
+    from dmlbook.exercises import _resolve
+
+    for name in check.writes:
+        original = _resolve(name)[2]
+        for answer in (original, functools.partial(original)):
+            with pytest.raises(ExerciseFailed, match="called the library instead.*switched off"):
+                check(answer)
 
 
 def _is_stand_in(name: str) -> bool:

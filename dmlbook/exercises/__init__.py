@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -133,6 +134,7 @@ def checker(
                 )
             token = _CURRENT.set((writes, fn))
             try:
+                _refuse_the_library_itself(fn, writes)
                 summary = check(fn, *args, **kwargs)
             except ExerciseFailed as failure:
                 failure.args = (f"Exercise {exercise!r} failed: {failure}",)
@@ -159,6 +161,23 @@ def checker(
         return run_check
 
     return decorate
+
+
+def _refuse_the_library_itself(fn: Callable, writes: tuple[str, ...]) -> None:
+    """An answer that *is* a switched-off function (``my_answer = lib.fn``, or a partial of it)
+    is never called through a name the switch replaces: refuse it here."""
+    answers, inner = set(), fn
+    while inner is not None and id(inner) not in answers:
+        answers |= {id(inner), id(inspect.unwrap(inner))}
+        inner = getattr(inner, "__func__", None) or getattr(inner, "func", None)  # method, partial
+    for name in writes:
+        target = _resolve(name)[2]
+        if answers & {id(target), id(inspect.unwrap(target))}:
+            raise ExerciseFailed(
+                f"your answer called the library instead: it is {name} itself, which is switched "
+                "off in this exercise because it does the very job you are asked to write. Write "
+                "the mechanism yourself"
+            )
 
 
 def _report(result: CheckResult) -> CheckResult:
