@@ -72,6 +72,11 @@ def test_node_failure_agent_restarts_resumes_rescales():
     (end,) = timeline.events("end")
     # epoch 0: 20 steps of 32, then the other 798 samples in 50 steps of 16; 2 more epochs of 90
     assert end["step"] == 20 + 50 + 2 * 90 == 250 and end["world"] == 1
+    # the survivor's collective failed at once, and the agent spawned the new worker after it
+    (fault,) = timeline.events("fault")
+    assert fault["rank"] == 0 and fault["generation"] == 0 and "RuntimeError" in fault["error"]
+    assert kill["time"] <= fault["time"] < restart["spawned"] < restart["time"]
+    assert restart["spawned"] - fault["time"] >= 3  # the rendezvous' last call: 3 s (QUICK_RDZV)
     print(
         f"\nkill at +{kill['time'] - before['time']:.1f} s (step {KILL_STEP}), restart "
         f"{restart['time'] - kill['time']:.1f} s later at world {restart['world']}, resumed at "
@@ -144,6 +149,93 @@ def test_a_job_past_its_timeout_leaves_no_process_behind(tmp_path):
 
 
 # --------------------------------------------------------------------------- pure pieces
+
+
+def _given_flags(cmd: list[str]) -> dict[str, str]:
+    """Each ``--flag value`` pair of a torchrun line (flags without a value map to "")."""
+    script = cmd.index(el.SCRIPT)
+    words, given = cmd[1:script], {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            nxt = words[i + 1] if i + 1 < len(words) else "--"
+            given[word] = "" if nxt.startswith("--") else nxt
+    return given
+
+
+def test_torchrun_commands_parse_with_torchruns_own_parser(tmp_path):
+    """Every line torchrun_command builds runs in a shell as the chapter prints it: torch's own
+    parser reads it, and no option is given an empty value (the chapter once printed
+    ``--rdzv-conf`` with nothing after it, which a shell then drops)."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    one = el.torchrun_command("runs/job", "--kill-step", "25", nproc_per_node=2)
+    several = el.torchrun_command("/shared/runs/job", nproc_per_node=2, nnodes="1:4",
+                                  max_restarts=3, endpoint="HOST0:29400", rdzv_conf="")  # fmt: skip
+    host, guest = (
+        el.torchrun_command(tmp_path, "--kill", "node", endpoint="127.0.0.1:29400", is_host=h)
+        for h in (True, False)
+    )
+    defaults = el.torchrun_command(tmp_path, endpoint="127.0.0.1:29400")
+    for cmd in (one, several, host, guest, defaults):
+        assert cmd[0] == "torchrun"
+        printed = " ".join(cmd)  # how the chapter prints it
+        assert shlex.split(printed) == cmd, f"a shell splits {printed!r} differently"
+        args = get_args_parser().parse_args(shlex.split(printed)[1:])
+        for flag in _given_flags(cmd):
+            parsed = getattr(args, flag[2:].replace("-", "_"))
+            if isinstance(parsed, str):
+                assert parsed.strip(" ,") != "", f"{flag} is given an empty value in {printed!r}"
+        assert args.training_script == el.SCRIPT and args.max_restarts >= 1
+    assert get_args_parser().parse_args(one[1:]).standalone and "--nnodes" not in one
+    parsed = get_args_parser().parse_args(several[1:])
+    assert (parsed.nnodes, parsed.rdzv_endpoint, parsed.rdzv_id) == (
+        "1:4",
+        "HOST0:29400",
+        "elastic",
+    )
+    assert "--rdzv-conf" not in several  # torchrun's defaults on real machines
+    assert _given_flags(host)["--rdzv-conf"] == el.agents.QUICK_RDZV + ",is_host=1"
+    assert _given_flags(guest)["--rdzv-conf"].endswith(",is_host=0")
+    assert _given_flags(defaults)["--rdzv-conf"] == el.agents.QUICK_RDZV
+    bare = el.torchrun_command(tmp_path, endpoint="h:1", rdzv_conf="", is_host=True)
+    assert _given_flags(bare)["--rdzv-conf"] == "is_host=1"
+
+
+def test_resume_starts_from_scratch_or_where_the_checkpoint_left_off(tmp_path):
+    model = models.mlp(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert el.resume(tmp_path, model, optimizer, 0.1) == el.ResumePoint()  # the first start
+    batches = list(el.elastic_batches(37, seed=0, local_batch=4, rank=0, world_size=2, epochs=1))
+    from dmlbook.data_parallel import checkpoint as ckpt
+
+    batch = batches[2]  # three steps of 8 samples done
+    ckpt.save(ckpt.checkpoint_path(tmp_path, 3), model=model, optimizer=optimizer,
+              progress=ckpt.progress_after(batch, 3),
+              extra={"lr": 0.1, "position": el.position_after(batch)})  # fmt: skip
+    fresh = models.mlp(seed=1)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    start = el.resume(tmp_path, fresh, fresh_optimizer, 0.05)
+    assert start == el.ResumePoint(epoch=0, position=24, step=3, saved_world=1, saved_lr=0.1)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.05  # this world's, not the saved one
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the rest of the epoch at world size 3, from sample 24: every sample once
+    rest = [
+        list(b.samples)
+        for r in range(3)
+        for b in el.elastic_batches(
+            37,
+            seed=0,
+            local_batch=4,
+            rank=r,
+            world_size=3,
+            epochs=1,
+            start=(start.epoch, start.position),
+        )  # fmt: skip
+    ]
+    assert sorted(i for part in rest for i in part) == sorted(el.epoch_order(37, 0, 0)[24:])
 
 
 def test_rank_batch_repartitions_without_loss_or_repeat():
@@ -305,3 +397,42 @@ def test_netns_host_killed_agent_recovers_on_the_other_host(tmp_path):
         f"\nh1 killed, h0 restarted at world 1 after {restart['time'] - killed['time']:.1f} s, "
         f"resumed at step {restart['resume_step']}; job {job.seconds:.1f} s"
     )
+
+
+# --------------------------------------------------------------------------- the pictures
+
+
+def test_agents_and_workers_draws_each_generation_with_its_ranks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dmlbook import viz
+
+    ax = viz.agents_and_workers(
+        [viz.Generation([0, 1, 2], 2, fails=2, note="machine 2 fails"), viz.Generation([0, 1], 2)]
+    )
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("torchrun agent") == 3 + 2  # one agent per live machine
+    assert sum("worker\nrank" in t for t in texts) == 6 + 4
+    assert "generation 0: world size 6" in texts and "generation 1: world size 4" in texts
+    assert "machine 2 (gone)" in texts and "machine 2 fails" in texts
+    plt.close("all")
+
+
+def test_epoch_by_generation_draws_a_box_per_step_in_the_window():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dmlbook import viz
+
+    rows = {"g0": [(0, 32, 1, False), (32, 64, 2, True)], "g1": [(32, 48, 2, False)]}
+    ax = viz.epoch_by_generation(rows, window=(16, 64), marks={"checkpoint": 32})
+    assert [t.get_text() for t in ax.texts] == ["1", "2", "2"]
+    hatched = [p for p in ax.patches if p.get_hatch() and p.get_width() > 0]
+    assert len(hatched) == 1 and hatched[0].get_x() == 32  # the lost step
+    assert ax.get_xlim() == (16, 64)
+    plt.close("all")

@@ -1,18 +1,55 @@
 """Chapter 11's exercise checkers: right answers pass; planted bugs (ignoring the resume position,
 dropping the tail, an off-by-one start, unbalanced parts, local_batch each in turn, the same part
 on every rank; scaling by the world size, square-root scaling, floor instead of ceiling, the base
-batch as global batch) are caught with a message that names the cause."""
+batch as global batch) are caught with a message that names the cause; an answer that calls the
+library's own ``rank_batch``, ``balanced_blocks``, ``lr_for`` or ``linear_scaling`` is told to
+write it (``DELEGATING_ANSWERS``, run by ``tests/test_exercise_back_doors.py``)."""
 
 import math
 
 import pytest
 
 from dmlbook.advanced import elastic
+from dmlbook.comm.groups import balanced_blocks  # as a notebook imports them: at the top
+from dmlbook.data_parallel import linear_scaling
 from dmlbook.exercises import ExerciseFailed, ch11
 
 
 def unanswered(*args):
     raise NotImplementedError
+
+
+# ---- answers that only call the library: each must be told to write the mechanism ----------------
+
+DELEGATING_ANSWERS = {
+    "rank_batch": lambda order, position, local_batch, rank, world_size: elastic.rank_batch(
+        order, position, local_batch, rank, world_size
+    ),
+    "rescale": lambda base_lr, base_batch, local_batch, world_size, samples_left: (
+        elastic.lr_for(world_size, base_lr=base_lr, base_batch=base_batch, local_batch=local_batch),
+        local_batch * world_size,
+        math.ceil(samples_left / (local_batch * world_size)),
+    ),
+}
+
+
+def test_an_answer_that_only_splits_with_balanced_blocks_is_told_to_write_it():
+    def answer(order, position, local_batch, rank, world_size):
+        batch = order[position : position + local_batch * world_size]
+        start, stop = balanced_blocks(len(batch), world_size)[rank]
+        return list(batch[start:stop])
+
+    with pytest.raises(ExerciseFailed, match="called the library instead.*balanced_blocks"):
+        ch11.check_rank_batch(answer)
+
+
+def test_an_answer_that_scales_with_linear_scaling_is_told_to_write_it():
+    def answer(base_lr, base_batch, local_batch, world_size, samples_left):
+        batch = local_batch * world_size
+        return linear_scaling(base_lr, base_batch, batch), batch, math.ceil(samples_left / batch)
+
+    with pytest.raises(ExerciseFailed, match="called the library instead.*linear_scaling"):
+        ch11.check_rescale(answer)
 
 
 # ---- 1. rank_batch ------------------------------------------------------------------------------
@@ -22,8 +59,15 @@ def strided(order, position, local_batch, rank, world):
     return list(order[position : position + local_batch * world][rank::world])
 
 
+def blocks(order, position, local_batch, rank, world):  # contiguous parts, the first ones longer
+    batch = order[position : position + local_batch * world]
+    base, extra = divmod(len(batch), world)
+    start = rank * base + min(rank, extra)
+    return list(batch[start : start + base + (rank < extra)])
+
+
 def from_zero(order, position, local_batch, rank, world):  # forgets where the epoch stopped
-    return elastic.rank_batch(order, 0, local_batch, rank, world)
+    return blocks(order, 0, local_batch, rank, world)
 
 
 def floor_split(order, position, local_batch, rank, world):  # drops the short batch's tail
@@ -33,7 +77,7 @@ def floor_split(order, position, local_batch, rank, world):  # drops the short b
 
 
 def off_by_one(order, position, local_batch, rank, world):
-    return elastic.rank_batch(order, min(position + 1, len(order) - 1), local_batch, rank, world)
+    return blocks(order, min(position + 1, len(order) - 1), local_batch, rank, world)
 
 
 def lopsided(order, position, local_batch, rank, world):  # the last rank takes the remainder
@@ -49,12 +93,21 @@ def in_turn(order, position, local_batch, rank, world):  # local_batch each, eve
 
 
 def same_part(order, position, local_batch, rank, world):  # every rank takes rank 0's part
-    return elastic.rank_batch(order, position, local_batch, 0, world)
+    return blocks(order, position, local_batch, 0, world)
 
 
-@pytest.mark.parametrize("right", [elastic.rank_batch, strided])
+@pytest.mark.parametrize("right", [blocks, strided])
 def test_rank_batch_passes_right_answers(right):
     assert ch11.check_rank_batch(right).status == "passed"
+
+
+def test_the_library_gives_the_answer_the_checker_wants():
+    order = elastic.epoch_order(37, seed=3, epoch=1)
+    for world in (1, 2, 3, 4):
+        for position in (0, 10, 33, 35):
+            for rank in range(world):
+                got = elastic.rank_batch(order, position, 4, rank, world)
+                assert got == blocks(order, position, 4, rank, world)
 
 
 def test_rank_batch_not_attempted():

@@ -5,10 +5,13 @@
    (the next ``local_batch * world_size`` samples, fewer at the end of the epoch). After a resize
    the ranks resume mid-epoch: together they must cover the rest of the epoch, every sample exactly
    once, with parts that differ in size by at most one
-   (:func:`dmlbook.advanced.elastic.rank_batch`).
+   (:func:`dmlbook.advanced.elastic.rank_batch`; it and :func:`dmlbook.comm.groups.balanced_blocks`
+   are switched off while the answer runs).
 2. ``check_rescale``: write ``rescale(base_lr, base_batch, local_batch, world_size,
    samples_left) -> (lr, global_batch, steps_left)``: the learning rate by the linear scaling rule
-   for the new global batch, and the steps left in the epoch (the last one may be short).
+   for the new global batch, and the steps left in the epoch (the last one may be short)
+   (:func:`dmlbook.advanced.elastic.lr_for` and :func:`dmlbook.data_parallel.linear_scaling` are
+   switched off while the answer runs).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def _epoch_cases() -> list[tuple[list[int], int, int, int]]:
     ]
 
 
-@checker("rank_batch")
+@checker(
+    "rank_batch",
+    writes=("dmlbook.advanced.elastic.rank_batch", "dmlbook.comm.groups.balanced_blocks"),
+)
 def check_rank_batch(fn: Callable[[Sequence[int], int, int, int, int], list[int]]) -> str:
     """Walk the rest of each epoch from ``position`` as the ranks would, and check each global
     batch is covered exactly once, by parts within one sample of each other in size."""
@@ -95,7 +101,10 @@ def check_rank_batch(fn: Callable[[Sequence[int], int, int, int, int], list[int]
     return "every sample after the resume point exactly once, at world sizes 1 to 4"
 
 
-@checker("rescale")
+@checker(
+    "rescale",
+    writes=("dmlbook.advanced.elastic.lr_for", "dmlbook.data_parallel.linear_scaling"),
+)
 def check_rescale(fn: Callable[[float, int, int, int, int], tuple[float, int, int]]) -> str:
     """Compare ``fn(base_lr, base_batch, local_batch, world_size, samples_left)`` with the linear
     rule and the ceiling of samples_left / global_batch."""

@@ -10,7 +10,9 @@ per topic, each of which names the chapters that use it:
   and 13);
 * ``layouts``: ``gemm_split``, ``who_holds_what`` (chapter 9), ``zero_stages`` (chapter 9b),
   ``rank_grid``, ``expert_load``, ``ring_attention_blocks`` (chapter 13);
-* ``clients``: ``fedavg_round``, ``pairwise_masks`` (chapter 10), ``sample_owners`` (chapter 11).
+* ``clients``: ``fedavg_round``, ``pairwise_masks`` (chapter 10), ``sample_owners`` (chapter 11);
+* ``elastic``: ``agents_and_workers`` and its ``Generation``, ``epoch_by_generation`` (chapter
+  11).
 
 Each function returns the matplotlib ``Axes`` it drew on (``zero_stages``: its ``Figure``).
 """
@@ -18,6 +20,7 @@ Each function returns the matplotlib ``Axes`` it drew on (``zero_stages``: its `
 from dmlbook.viz.charts import bars, curves, spans, stacked_bars
 from dmlbook.viz.clients import fedavg_round, pairwise_masks, sample_owners
 from dmlbook.viz.collectives import all_to_all_dispatch, chunk_grid, message_schedule
+from dmlbook.viz.elastic import Generation, agents_and_workers, epoch_by_generation
 from dmlbook.viz.layouts import (
     expert_load,
     gemm_split,
@@ -30,11 +33,14 @@ from dmlbook.viz.pipeline import GANTT_COLOURS, checkpoint_segments, gantt, idle
 
 __all__ = [
     "GANTT_COLOURS",
+    "Generation",
+    "agents_and_workers",
     "all_to_all_dispatch",
     "bars",
     "checkpoint_segments",
     "chunk_grid",
     "curves",
+    "epoch_by_generation",
     "expert_load",
     "fedavg_round",
     "gantt",
@@ -50,3 +56,7 @@ __all__ = [
     "who_holds_what",
     "zero_stages",
 ]
+
+from dmlbook.viz.sharding import gemm_splits, tp_block, zero_step  # noqa: E402 (chapters 9, 9b)
+
+__all__ += ["gemm_splits", "tp_block", "zero_step"]

@@ -9,16 +9,20 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
    runs; ``examples/elastic_train.py`` is the script) checkpoints with chapter 3's atomic
    :func:`dmlbook.data_parallel.checkpoint.save` and, on every start:
 
-   * resumes from the latest checkpoint: the model, the momentum, and the position in the epoch
-     counted in **samples** (a position in batches means nothing once the batch size changes);
-   * re-partitions the rest of the epoch for the new world size (:func:`rank_batch`): global
-     batch ``t`` is the next ``local_batch x world`` samples of the epoch's shuffled order, and
-     rank ``r`` takes its own contiguous part, so no sample is lost or seen twice;
+   * resumes from the latest checkpoint (:func:`resume`): the model, the momentum, and the
+     position in the epoch counted in **samples** (a position in batches means nothing once the
+     batch size changes);
+   * re-partitions the rest of the epoch for the new world size (:func:`elastic_batches`, with
+     :func:`rank_batch`): global batch ``t`` is the next ``local_batch x world`` samples of the
+     epoch's shuffled order, and rank ``r`` takes its own contiguous part, so no sample is lost
+     or seen twice;
    * rescales the learning rate to the new global batch with the linear rule
      (:func:`lr_for`, :func:`dmlbook.data_parallel.linear_scaling`).
 
-   It writes a :class:`Timeline` (JSON lines under the run directory: start, checkpoint, step,
-   kill, end, with wall times) and, per rank and generation, the sample indices it trained on, so
+   Each set of workers the agents start together is a *generation*. The worker writes a
+   :class:`Timeline` (JSON lines under the run directory: start, checkpoint, step, kill, fault,
+   end, with wall times, and when the agent spawned each worker) and, per rank and generation,
+   the sample indices it trained on (:func:`samples_by_generation`, :func:`samples_trained`), so
    tests and the notebook can check the story instead of trusting it. :func:`torchrun_command`
    writes the agents' command lines (``--standalone``, or a c10d endpoint for several nodes) and
    :func:`run_agents` runs them and leaves no process behind. torchrun needs
@@ -44,6 +48,7 @@ from dmlbook.advanced.elastic.agents import (
     AgentRun,
     alive,
     run_agents,
+    samples_by_generation,
     samples_trained,
     torchrun_command,
 )
@@ -56,10 +61,14 @@ from dmlbook.advanced.elastic.serving import (
 )
 from dmlbook.advanced.elastic.training import (
     ElasticConfig,
+    ResumePoint,
     Timeline,
+    elastic_batches,
     epoch_order,
     lr_for,
+    position_after,
     rank_batch,
+    resume,
     train_worker,
     uninterrupted_run,
 )
@@ -73,14 +82,19 @@ __all__ = [
     "Autoscaler",
     "ElasticConfig",
     "FixedPool",
+    "ResumePoint",
     "ServingReport",
     "Timeline",
+    "elastic_batches",
     "epoch_order",
     "free_port",
     "lr_for",
     "rank_batch",
+    "position_after",
     "request_schedule",
+    "resume",
     "run_agents",
+    "samples_by_generation",
     "samples_trained",
     "serve_elastic",
     "torchrun_command",

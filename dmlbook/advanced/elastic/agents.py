@@ -17,7 +17,7 @@ from dmlbook.datasets import EXAMPLES_DIR
 # --------------------------------------------------------------------------- launching agents
 
 SCRIPT = str(EXAMPLES_DIR / "elastic_train.py")
-# torchrun's environment: a fresh store per restarted group (see _init_from_torchrun)
+# torchrun's environment: a fresh store per restarted group (see training._join_torchrun_group)
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 # quick rendezvous on one machine: a dead node is noticed after 1 s x 2 missed heartbeats, and
 # once min_nodes are there the rendezvous waits 3 s more for latecomers (defaults: 5 s x 3, 30 s)
@@ -40,16 +40,19 @@ def torchrun_command(
 
     ``endpoint=None`` is ``--standalone`` (one node); otherwise ``HOST:PORT`` of the c10d
     rendezvous, which the node with ``is_host`` serves (on real machines torchrun tells that from
-    the host name; on one machine we must say which agent it is).
+    the host name; on one machine we must say which agent it is). ``rdzv_conf=""`` and no
+    ``is_host`` leave out ``--rdzv-conf``: torchrun's defaults, what real machines need.
     """
     cmd = ["torchrun", "--nproc-per-node", str(nproc_per_node),
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]  # fmt: skip
     if endpoint is None:
         cmd += ["--standalone"]
     else:
-        conf = rdzv_conf + ("" if is_host is None else f",is_host={int(is_host)}")
+        host = [] if is_host is None else [f"is_host={int(is_host)}"]
+        conf = ",".join([c for c in rdzv_conf.split(",") if c] + host)
         cmd += ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", job, "--rdzv-conf", conf.strip(",")]  # fmt: skip
+                "--rdzv-id", job]  # fmt: skip
+        cmd += ["--rdzv-conf", conf] if conf else []  # none given: torchrun's defaults
         cmd += [] if local_addr is None else ["--local-addr", local_addr]
     cmd += ["--log-dir", str(Path(run_dir) / "torchrun-logs")]  # else a torchelastic_* in /tmp
     return [*cmd, SCRIPT, str(run_dir), *script_args]
@@ -154,18 +157,26 @@ def _worker_pids(run_dir: Path) -> list[int]:
     return [int(v) for v in path.read_text().split()] if path.exists() else []
 
 
+def samples_by_generation(run_dir: str | os.PathLike) -> dict[int, dict[int, dict]]:
+    """Every step each generation ran, lost ones included, with the samples each rank took:
+    ``{generation: {step: {"epoch", "ranks": {rank: [indices]}}}}``."""
+    found: dict[int, dict[int, dict]] = {}
+    for path in sorted(Path(run_dir).glob("samples-g*-r*.jsonl")):
+        generation, rank = (int(v) for v in path.stem[len("samples-g") :].split("-r"))
+        for line in path.read_text().splitlines():
+            step, epoch, idx = json.loads(line)
+            entry = found.setdefault(generation, {}).setdefault(step, {"epoch": epoch, "ranks": {}})
+            entry["ranks"][rank] = idx
+    return {g: dict(sorted(steps.items())) for g, steps in sorted(found.items())}
+
+
 def samples_trained(run_dir: str | os.PathLike) -> dict[int, dict]:
     """For every global step, the samples that *count*: those of the last generation that ran it
     (a step re-run after a failure replaces the lost one). ``{step: {"epoch", "generation",
     "ranks": {rank: [indices]}}}``."""
     steps: dict[int, dict] = {}
-    for path in sorted(Path(run_dir).glob("samples-g*-r*.jsonl")):
-        generation, rank = (int(v) for v in path.stem[len("samples-g") :].split("-r"))
-        for line in path.read_text().splitlines():
-            step, epoch, idx = json.loads(line)
-            entry = steps.setdefault(step, {"epoch": epoch, "generation": -1, "ranks": {}})
-            if generation > entry["generation"]:
-                entry.update(generation=generation, ranks={})
-            if generation == entry["generation"]:
-                entry["ranks"][rank] = idx
+    for generation, ran in samples_by_generation(run_dir).items():  # later generations win
+        for step, entry in ran.items():
+            steps[step] = {"epoch": entry["epoch"], "generation": generation,
+                           "ranks": dict(entry["ranks"])}  # fmt: skip
     return dict(sorted(steps.items()))

@@ -130,7 +130,106 @@ class ElasticConfig:
 # --------------------------------------------------------------------------- elastic training
 
 
-def _init_from_torchrun() -> tuple[int, int]:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a (re)started worker begins: the epoch, the samples of it already trained, and the
+    global step. ``saved_world`` and ``saved_lr`` say who wrote the checkpoint (None: a first
+    start, from scratch)."""
+
+    epoch: int = 0
+    position: int = 0  # in samples: a count of batches means nothing once the batch size changes
+    step: int = 0
+    saved_world: int | None = None
+    saved_lr: float | None = None
+
+
+def resume(checkpoints: str | os.PathLike, model: nn.Module, optimizer, lr: float) -> ResumePoint:
+    """Load the latest checkpoint in ``checkpoints`` into ``model`` and ``optimizer`` (momentum
+    included) and return where it left off; from scratch if there is none. The learning rate is
+    set to ``lr``, this world's, since the checkpoint holds the old world's."""
+    path = ckpt.latest(checkpoints)
+    if path is None:
+        return ResumePoint()  # the first start
+    with warnings.catch_warnings():  # a checkpoint from another world size is expected here
+        warnings.simplefilter("ignore", RuntimeWarning)
+        saved = ckpt.load(path, model=model, optimizer=optimizer)  # every rank reads the file
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return ResumePoint(saved.progress.epoch, saved.extra["position"], saved.progress.step,
+                       saved.world_size, saved.extra["lr"])  # fmt: skip
+
+
+def elastic_batches(
+    samples: int,
+    *,
+    seed: int,
+    local_batch: int,
+    rank: int,
+    world_size: int,
+    epochs: int,
+    start: tuple[int, int] = (0, 0),
+) -> Iterable[LocalBatch]:
+    """This rank's batches from ``start = (epoch, position in samples)`` on: each global batch is
+    the next ``local_batch * world_size`` samples of the epoch's order (fewer at its end), and
+    :func:`rank_batch` gives this rank its part. Each rank's loss is its share of the global
+    mean (``global_size``), since the parts may differ in size."""
+    for epoch in range(start[0], epochs):
+        order = epoch_order(samples, seed, epoch)  # the same on every rank, at any world size
+        position = start[1] if epoch == start[0] else 0
+        index = 0
+        while position < len(order):
+            size = min(local_batch * world_size, len(order) - position)  # this global batch
+            mine = rank_batch(order, position, local_batch, rank, world_size)
+            yield LocalBatch(epoch, index, mine, last_in_epoch=position + size == len(order),
+                             offset=position, global_size=size)  # fmt: skip
+            position, index = position + size, index + 1
+
+
+def position_after(batch: LocalBatch) -> int:
+    """Where the epoch stands after ``batch``, in samples: 0 once the epoch is done (the
+    checkpoint's epoch is then the next one)."""
+    return 0 if batch.last_in_epoch else batch.offset + batch.global_size
+
+
+def train_worker(config: ElasticConfig) -> dict | None:
+    """One worker of elastic data-parallel training. torchrun starts it, and starts it again
+    after a failure, at whatever world size the rendezvous found. Returns rank 0's final test
+    accuracy (None on the other ranks)."""
+    rank, world = _join_torchrun_group()  # torchrun set RANK and WORLD_SIZE for this generation
+    x, y = load_digits("train")
+    model = mlp(seed=config.seed)
+    # 3. Rescale the learning rate for this world's global batch (local_batch x world).
+    lr = lr_for(world, base_lr=config.base_lr, base_batch=config.base_batch,
+                local_batch=config.local_batch)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
+    # 1. Resume: the model, the momentum and the position in the epoch, from the last checkpoint.
+    checkpoints = Path(config.run_dir) / "checkpoints"
+    start = resume(checkpoints, model, optimizer, lr)
+    # 2. Re-partition the rest of the epoch over this world's ranks.
+    batches = elastic_batches(len(x), seed=config.seed, local_batch=config.local_batch,
+                              rank=rank, world_size=world, epochs=config.epochs,
+                              start=(start.epoch, start.position))  # fmt: skip
+
+    def extra(state):  # what each checkpoint adds: this world's LR, the position in samples
+        return {"lr": lr, "position": position_after(state.batch)}
+
+    # Chapter 3's atomic checkpoints, every config.every steps.
+    saver = ckpt.Checkpointing(checkpoints, every=config.every, epochs=config.epochs, extra=extra)
+    record = _Record(config, start, lr)  # the run's timeline, for the chapter to check
+    failure = _PlantedFailure(config, record.timeline)  # the failure the chapter plants
+    # Chapter 1's loop, with chapter 2's ring all-reduce adding up the gradients.
+    sync = GradientAveraging(algorithm="ring", divide_by=1)
+    done = train_loop(model, optimizer, x, y, batches, sync=sync, step=start.step,
+                      callbacks=[record, saver, failure])  # fmt: skip
+    result = _finish(Path(config.run_dir), model, done.step, world, record.timeline)
+    dist.destroy_process_group()
+    return result
+
+
+# --------------------------------------------------------------------------- the worker's plumbing
+
+
+def _join_torchrun_group() -> tuple[int, int]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     if not dist.is_initialized():
         missing = [
@@ -153,58 +252,46 @@ def _init_from_torchrun() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _plant_failure(config: ElasticConfig, timeline: Timeline, rank: int, step: int) -> None:
-    """Kill this worker (or its whole node) once per run directory, at the planned step."""
-    if config.kill_step != step or config.kill_rank != rank:
-        return
-    marker = Path(config.run_dir) / "killed"
+def _spawned_at() -> float:
+    """When the agent started this process (wall clock), from Linux's process table; now, where
+    there is none. ``time.time()`` minus the process's age, which /proc gives to 10 ms."""
     try:
-        marker.open("x").close()  # only the first attempt that gets here kills
-    except FileExistsError:
-        return
-    timeline.record("kill", rank=rank, step=step, what=config.kill, pid=os.getpid())
-    if config.kill == "node":  # the agent first, so nothing is left to notice and clean up
-        os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
-def elastic_batches(
-    samples: int,
-    *,
-    seed: int,
-    local_batch: int,
-    rank: int,
-    world_size: int,
-    epochs: int,
-    start: tuple[int, int] = (0, 0),
-) -> Iterable[LocalBatch]:
-    """Chapter 11's batch plan for :func:`~dmlbook.data_parallel.loop.train_loop`: each global
-    batch is the next ``local_batch * world_size`` samples of the epoch's order (fewer at its
-    end), re-partitioned over *this* world size by :func:`rank_batch`; each rank's loss is its
-    share of the global mean. ``start`` is ``(epoch, position in samples)``, for a resumed run."""
-    for epoch in range(start[0], epochs):
-        order = epoch_order(samples, seed, epoch)
-        position, index = (start[1] if epoch == start[0] else 0), 0
-        while position < len(order):
-            size = min(local_batch * world_size, len(order) - position)
-            idx = rank_batch(order, position, local_batch, rank, world_size)
-            yield LocalBatch(epoch, index, idx, last_in_epoch=position + size == len(order),
-                        offset=position, global_size=size)  # fmt: skip
-            position, index = position + size, index + 1
+class _Record(Callback):
+    """The timeline of a worker: its start (with a generation number, counted by rank 0 and
+    broadcast), each step's global mean loss and the samples each rank took, each checkpoint,
+    and a fault (a collective that lost its peer)."""
 
+    def __init__(self, config: ElasticConfig, start: ResumePoint, lr: float) -> None:
+        self.config, self.start, self.lr = config, start, lr
+        self.timeline, self.samples_log = Timeline(config.run_dir), None
 
-def _position_after(batch: LocalBatch) -> dict:
-    """Where the next step starts, in samples of its epoch: the next epoch once one is used up."""
-    return {"position": 0 if batch.last_in_epoch else batch.offset + batch.global_size}
-
-
-class _ElasticRecord(Callback):
-    """Chapter 11's records of each step: the samples each rank took, and on rank 0 the global
-    mean loss and each checkpoint in the timeline."""
-
-    def __init__(self, timeline: Timeline, samples_log, generation: int, lr: float) -> None:
-        self.timeline, self.samples_log, self.generation, self.lr = (
-            timeline, samples_log, generation, lr)  # fmt: skip
+    def on_train_start(self, state: LoopState) -> None:
+        rank, world, timeline, start = state.rank, state.world_size, self.timeline, self.start
+        generation = torch.tensor([len(timeline.events("start"))] if rank == 0 else [0])
+        dist.broadcast(generation, 0)  # rank 0 counts the earlier starts and tells the others
+        self.generation = int(generation)
+        run_dir = Path(self.config.run_dir)
+        with open(run_dir / "pids.txt", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        self.samples_log = open(run_dir / f"samples-g{self.generation}-r{rank}.jsonl", "a",
+                                buffering=1)  # fmt: skip
+        if rank == 0:
+            resumed = None if start.saved_world is None else dict(
+                world=start.saved_world, lr=start.saved_lr)  # fmt: skip
+            timeline.record(
+                "start", generation=self.generation, world=world, lr=self.lr,
+                global_batch=self.config.local_batch * world, resume_step=start.step,
+                epoch=start.epoch, position=start.position, resumed_from=resumed,
+                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), spawned=_spawned_at(),
+            )  # fmt: skip
 
     def on_step(self, state: LoopState) -> None:
         batch = state.batch
@@ -219,7 +306,14 @@ class _ElasticRecord(Callback):
         if state.rank == 0:
             after = ckpt.progress_after(state.batch, state.step)
             self.timeline.record("checkpoint", step=state.step, epoch=after.epoch,
-                                 **_position_after(state.batch))  # fmt: skip
+                                 position=position_after(state.batch))  # fmt: skip
+
+    def on_fault(self, state: LoopState, error: BaseException) -> None:
+        self.timeline.record("fault", rank=state.rank, step=state.step, generation=self.generation,
+                             error=f"{type(error).__name__}: {str(error)[:200]}")  # fmt: skip
+
+    def on_train_end(self, state: LoopState) -> None:
+        self.samples_log.close()
 
 
 class _PlantedFailure(Callback):
@@ -235,77 +329,25 @@ class _PlantedFailure(Callback):
             time.sleep(self.config.step_delay)
 
 
-def train_worker(config: ElasticConfig) -> dict | None:
-    """One worker of elastic data-parallel training; torchrun starts it (again after failures).
-
-    Returns the final test accuracy and state on rank 0, None elsewhere.
-    """
-    rank, world = _init_from_torchrun()
-    run_dir, timeline = Path(config.run_dir), Timeline(config.run_dir)
-    torch.manual_seed(config.seed)
-    x, y = load_digits("train")
-    model = mlp(seed=config.seed)
-    lr = lr_for(world, base_lr=config.base_lr, base_batch=config.base_batch,
-                local_batch=config.local_batch)  # fmt: skip
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum)
-    epoch, position, step, resumed = _resume(run_dir, model, optimizer, lr)  # 1. resume
-    generation = _start_generation(config, timeline, rank, world, lr, step, epoch, position,
-                                   resumed)  # 2. a generation number per (re)start  # fmt: skip
-    with open(run_dir / "pids.txt", "a") as f:
-        f.write(f"{os.getpid()}\n")
-    # 3. Train: chapter 1's loop, each global batch re-partitioned for *this* world size.
-    batches = elastic_batches(len(x), seed=config.seed, local_batch=config.local_batch,
-                              rank=rank, world_size=world, epochs=config.epochs,
-                              start=(epoch, position))  # fmt: skip
-    saver = ckpt.Checkpointing(
-        run_dir / "checkpoints",
-        every=config.every,
-        epochs=config.epochs,
-        extra=lambda state: {"lr": lr, **_position_after(state.batch)},
-    )
-    with open(run_dir / f"samples-g{generation}-r{rank}.jsonl", "a", buffering=1) as log:
-        callbacks = [_ElasticRecord(timeline, log, generation, lr), saver,
-                     _PlantedFailure(config, timeline)]  # fmt: skip
-        sync = GradientAveraging(algorithm="ring", divide_by=1)  # chapter 2's ring all-reduce
-        done = train_loop(model, optimizer, x, y, batches, sync=sync, callbacks=callbacks,
-                          step=step)  # fmt: skip
-    result = _finish(run_dir, model, done.step, world, timeline) if rank == 0 else None
-    dist.destroy_process_group()
-    return result
+def _plant_failure(config: ElasticConfig, timeline: Timeline, rank: int, step: int) -> None:
+    """Kill this worker (or its whole node) once per run directory, at the planned step."""
+    if config.kill_step != step or config.kill_rank != rank:
+        return
+    marker = Path(config.run_dir) / "killed"
+    try:
+        marker.open("x").close()  # only the first attempt that gets here kills
+    except FileExistsError:
+        return
+    timeline.record("kill", rank=rank, step=step, what=config.kill, pid=os.getpid())
+    if config.kill == "node":  # the agent first, so nothing is left to notice and clean up
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _resume(run_dir: Path, model: nn.Module, optimizer, lr: float) -> tuple:
-    """(epoch, position in samples, step, what it resumed from) from the latest checkpoint, with
-    this world's learning rate set again (``load`` brings back the old one); zeros if none."""
-    epoch, position, step, resumed = 0, 0, 0, None
-    if (path := ckpt.latest(run_dir / "checkpoints")) is not None:
-        with warnings.catch_warnings():  # a new world size is the point here, not a surprise
-            warnings.simplefilter("ignore", RuntimeWarning)
-            loaded = ckpt.load(path, model=model, optimizer=optimizer)
-        epoch, position = loaded.progress.epoch, loaded.extra["position"]
-        step, resumed = loaded.progress.step, dict(world=loaded.world_size, lr=loaded.extra["lr"])
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return epoch, position, step, resumed
-
-
-def _start_generation(config, timeline, rank, world, lr, step, epoch, position, resumed) -> int:
-    """Rank 0 counts earlier starts and tells the others; it records this start's settings."""
-    generation = torch.tensor([len(timeline.events("start"))] if rank == 0 else [0])
-    dist.broadcast(generation, 0)
-    if rank == 0:
-        timeline.record(
-            "start", generation=int(generation), world=world, lr=lr,
-            global_batch=config.local_batch * world, resume_step=step, epoch=epoch,
-            position=position, resumed_from=resumed,
-            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
-        )  # fmt: skip
-    return int(generation)
-
-
-def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) -> dict:
-    """Rank 0: the test accuracy, and the final model saved atomically."""
+def _finish(run_dir: Path, model: nn.Module, step: int, world: int, timeline) -> dict | None:
+    """Rank 0: the test accuracy, and the final model saved atomically (None elsewhere)."""
+    if dist.get_rank() != 0:
+        return None
     x_test, y_test = load_digits("test")
     result = dict(accuracy=accuracy(model, x_test, y_test), step=step, world=world)
     ckpt.atomic_save({"model": model.state_dict(), **result}, run_dir / "final.pt")
