@@ -1,12 +1,14 @@
 """Chapter 9's exercise checkers: right answers pass; planted bugs (column and row swapped, the
 nn.Linear orientation, interleaved blocks, the next rank's block, a remainder for the last rank
-instead of ValueError; forward-only counts, one all-reduce per linear, talking at TP = 1, the
-tensor size instead of the ring's 2 (p - 1) / p, twice the tensor, half a ring, elements instead
-of bytes) are caught with a message that says so."""
+instead of ValueError; a gather that autograd cannot see through, a backward that sums over the
+ranks, blocks in the wrong order, no gather at all) are caught with a message that says so, and an
+answer that calls the library is told it was switched off."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from dmlbook.comm.groups import even_block
 from dmlbook.exercises import ExerciseFailed, ch09
 
 
@@ -71,73 +73,121 @@ def test_weight_shard_catches_planted_bugs(answer, message):
         ch09.check_weight_shard(answer)
 
 
-# ---- 2. communication per step ----------------------------------------------------------------
+# ---- 2. the all-gather's conjugate ------------------------------------------------------------
 
 
-def traffic(n_layer, batch, seq, n_embd, tp, element_size):
-    count = 4 * n_layer if tp > 1 else 0
-    return count, count * 2 * (tp - 1) / tp * batch * seq * n_embd * element_size
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, block, group):
+        ctx.rank, ctx.width = dist.get_rank(group), block.shape[-1]
+        pieces = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, block.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None
 
 
-def traffic_forward_only(n_layer, batch, seq, n_embd, tp, element_size):
-    count = 2 * n_layer if tp > 1 else 0
-    return count, count * 2 * (tp - 1) / tp * batch * seq * n_embd * element_size
+def gather(block, group):
+    return _Gather.apply(block, group)
 
 
-def traffic_per_linear(n_layer, batch, seq, n_embd, tp, element_size):
-    count = 8 * n_layer if tp > 1 else 0
-    return count, count * 2 * (tp - 1) / tp * batch * seq * n_embd * element_size
+def gather_by_joining_my_block(block, group):
+    pieces = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, block.detach().contiguous(), group=group)
+    pieces[dist.get_rank(group)] = block  # autograd reaches my block only
+    return torch.cat(pieces, dim=-1)
 
 
-def traffic_at_tp_one(n_layer, batch, seq, n_embd, tp, element_size):
-    count = 4 * n_layer
-    return count, count * 2 * (tp - 1) / tp * batch * seq * n_embd * element_size
+def gather_without_autograd(block, group):
+    pieces = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, block.detach().contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
 
 
-def traffic_tensor_size(n_layer, batch, seq, n_embd, tp, element_size):
-    count = traffic(n_layer, batch, seq, n_embd, tp, element_size)[0]
-    return count, count * batch * seq * n_embd * element_size
+class _SummingGather(_Gather):
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group if hasattr(ctx, "group") else None)
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None
 
 
-def traffic_half_ring(n_layer, batch, seq, n_embd, tp, element_size):
-    count, nbytes = traffic(n_layer, batch, seq, n_embd, tp, element_size)
-    return count, nbytes / 2
+def gather_summing_in_backward(block, group):
+    return _SummingGather.apply(block, group)
 
 
-def traffic_elements(n_layer, batch, seq, n_embd, tp, element_size):
-    count, nbytes = traffic(n_layer, batch, seq, n_embd, tp, element_size)
-    return count, nbytes / element_size
+def gather_reversed(block, group):
+    return torch.flip(gather(block, group).unflatten(-1, (-1, block.shape[-1])), (-2,)).flatten(-2)
 
 
-def traffic_twice_the_tensor(n_layer, batch, seq, n_embd, tp, element_size):
-    count = traffic(n_layer, batch, seq, n_embd, tp, element_size)[0]
-    return count, count * 2 * batch * seq * n_embd * element_size
+def gather_my_block_only(block, group):
+    return block * 1
 
 
-def test_tp_communication_passes_the_right_answer():
-    assert ch09.check_tp_communication(traffic).status == "passed"
+def gather_from_the_library(block, group):
+    from dmlbook.advanced.tensor_parallel import comm
+
+    return comm.gather_from_tensor_parallel(block, group)
 
 
-def test_tp_communication_not_attempted():
-    assert ch09.check_tp_communication(unanswered).status == "not attempted"
+def gather_through_the_library_class(block, group):
+    from dmlbook.advanced import tensor_parallel as tp
+
+    return tp.AllGatherForwardSplitBackward.apply(block, group)
+
+
+@pytest.mark.parametrize("answer", [gather, gather_by_joining_my_block])
+def test_gather_last_dim_passes_right_answers(answer):
+    assert ch09.check_gather_last_dim(answer).status == "passed"
+
+
+def test_gather_last_dim_not_attempted():
+    assert ch09.check_gather_last_dim(unanswered).status == "not attempted"
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (traffic_forward_only, "forward pass only"),
-        (traffic_per_linear, "one all-reduce per linear"),
-        (traffic_at_tp_one, "no other rank"),
-        (traffic_tensor_size, r"2 \(p - 1\) / p"),
-        (traffic_half_ring, "half of a ring"),
-        (traffic_twice_the_tensor, "the ring's limit for many ranks"),
-        (traffic_elements, "counts elements"),
-        (lambda *args: "lots", "return \\(all_reduces, bytes\\)"),
+        (gather_without_autograd, "no gradient reached"),
+        (gather_summing_in_backward, "3 times the right one"),
+        (gather_reversed, "put rank r's block"),
+        (gather_my_block_only, "this rank's block alone"),
+        (gather_from_the_library, "called the library instead"),
+        (gather_through_the_library_class, "called the library instead"),
     ],
 )
-def test_tp_communication_catches_planted_bugs(answer, message):
+def test_gather_last_dim_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
-        ch09.check_tp_communication(answer)
+        ch09.check_gather_last_dim(answer)
+
+
+def test_the_library_works_again_after_a_check():
+    from dmlbook.advanced import tensor_parallel as tp
+
+    with pytest.raises(ExerciseFailed):
+        ch09.check_gather_last_dim(gather_through_the_library_class)
+    x = torch.ones(2, 3, requires_grad=True)
+    tp.AllGatherForwardSplitBackward.apply(x, None).sum().backward()  # world size 1: identity
+    assert torch.equal(x.grad, torch.ones(2, 3))
+
+
+def shard_from_the_library(W, rank, world_size, split):
+    dim = 1 if split == "column" else 0
+    start, stop = even_block(W.shape[dim], rank=rank, world_size=world_size)
+    return W.narrow(dim, start, stop - start)
+
+
+def test_weight_shard_rejects_the_library():
+    with pytest.raises(ExerciseFailed, match="called the library instead"):
+        ch09.check_weight_shard(shard_from_the_library)
+
+
+DELEGATING_ANSWERS = {
+    "weight_shard": shard_from_the_library,
+    "gather_last_dim": gather_from_the_library,
+}
 
 
 def test_checkers_want_a_function():

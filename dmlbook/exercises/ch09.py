@@ -5,10 +5,10 @@
    ``"column"`` (a contiguous block of W's columns, Megatron's ColumnParallelLinear) or ``"row"``
    (a contiguous block of W's rows, RowParallelLinear); ValueError when the split dimension does
    not divide by the world size.
-2. ``check_tp_communication``: write ``traffic(n_layer, batch, seq, n_embd, tp, element_size) ->
-   (all_reduces, bytes_sent_per_rank)`` for one training step of the ``n_layer`` transformer
-   blocks of a Megatron model: how many all-reduces, and how many bytes each rank sends if every
-   one is a ring all-reduce of the ``batch x seq x n_embd`` activations.
+2. ``check_gather_last_dim``: write ``gather_last_dim(block, group)``, the conjugate operator at
+   the end of a column-parallel layer with ``gather_output=True``: forward, every rank's block of
+   the last dimension side by side on every rank; backward, this rank's block of the output's
+   gradient. Checked on 3 ranks with torch's and dmlbook's gather operators switched off.
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-from dmlbook.advanced import tensor_parallel
 from dmlbook.comm.groups import even_block
-from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
+from dmlbook.exercises import (
+    ExerciseFailed,
+    checker,
+    expect_value_error,
+    learner_code,
+    run_answer,
+)
 
-__all__ = ["check_tp_communication", "check_weight_shard"]
+__all__ = ["check_gather_last_dim", "check_weight_shard"]
 
 
 # --------------------------------------------------------------------------- 1. weight shards
@@ -37,7 +42,7 @@ def _shard_cases() -> list[tuple[tuple[int, int], int]]:
     return [((4, 4), 2), ((3, 6), 3), ((6, 4), 2), ((8, 12), 4), ((3, 5), 1), ((6, 6), 3)]
 
 
-@checker("weight_shard")
+@checker("weight_shard", writes=("dmlbook.comm.groups.even_block",))
 def check_weight_shard(fn: Callable[[torch.Tensor, int, int, str], torch.Tensor]) -> str:
     """Check ``fn(W, rank, world_size, split)`` returns rank's contiguous block of W's columns
     (``"column"``) or rows (``"row"``), and that a size that does not divide raises ValueError."""
@@ -119,70 +124,97 @@ def _other(W: torch.Tensor, rank: int, world: int, split: str) -> torch.Tensor:
         return torch.empty(0)
 
 
-# --------------------------------------------------------------------------- 2. communication
+# --------------------------------------------------------------------------- 2. gather's conjugate
 
 
-def _traffic_cases() -> list[tuple[int, int, int, int, int, int]]:
-    return [
-        (2, 8, 64, 128, 2, 4),
-        (24, 8, 1024, 1024, 8, 2),  # a BERT-large-like stack at TP = 8 in fp16
-        (4, 2, 16, 48, 3, 4),  # a non-power of two
-        (6, 4, 32, 64, 1, 4),  # TP = 1: nothing to communicate
-        (1, 1, 1, 8, 4, 8),
-    ]
+def _gather_on_rank(fn: Callable, width: int) -> dict:
+    """Rank function: rank r's block is r + (small distinct numbers); every rank computes the
+    same loss, sum(whole output * weights), from the whole output it gathered."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = 2
+    block = rank + torch.arange(rows * width, dtype=torch.float64).view(rows, width) / 100
+    block.requires_grad_()
+    whole = fn(block, dist.group.WORLD)
+    out = {"shape": tuple(whole.shape) if isinstance(whole, torch.Tensor) else None}
+    if not isinstance(whole, torch.Tensor):
+        out["type"] = type(whole).__name__
+        return out
+    weights = torch.arange(rows * width * world, dtype=torch.float64).view(rows, -1) + 1
+    out["value"] = whole.detach().clone()
+    out["connected"] = whole.requires_grad
+    if whole.requires_grad and whole.shape == weights.shape:
+        (whole * weights).sum().backward()
+    out["grad"] = None if block.grad is None else block.grad.clone()
+    out["block"] = block.detach().clone()
+    return out
 
 
-@checker("tp_communication")
-def check_tp_communication(fn: Callable[[int, int, int, int, int, int], tuple[int, float]]) -> str:
-    """Check ``fn(n_layer, batch, seq, n_embd, tp, element_size)`` returns (all-reduces per
-    training step, bytes each rank sends) for Megatron's transformer blocks: 2 all-reduces forward
-    and 2 backward per block, each a ring all-reduce of batch x seq x n_embd elements."""
-    for case in _traffic_cases():
-        n_layer, batch, seq, n_embd, world, size = case
-        call = (
-            f"your traffic(n_layer={n_layer}, batch={batch}, seq={seq}, n_embd={n_embd}, "
-            f"tp={world}, element_size={size})"
-        )
-        with learner_code(call):
-            got = fn(*case)
-        try:
-            count, nbytes = got
-            count, nbytes = int(count), float(nbytes)
-        except (TypeError, ValueError):
-            raise ExerciseFailed(f"{call} returned {got!r}; return (all_reduces, bytes)") from None
-        want = tensor_parallel.communication_per_step(*case)
-        want_count, want_bytes = want["all_reduces"], want["bytes_sent_per_rank"]
-        activation = batch * seq * n_embd * size
-        if count != want_count:
-            hints = {
-                2 * n_layer: "that counts the forward pass only; backward all-reduces the input "
-                "gradient of each column-parallel layer (the conjugate of g is f)",
-                4 * n_layer * 2: "that is one all-reduce per linear layer; a column-parallel layer "
-                "followed by a row-parallel one shares a single all-reduce",
-                4 * n_layer: "at TP = 1 there is no other rank to talk to",
-            }
-            hint = hints.get(count, "count per block: attention and MLP, forward and backward")
-            raise ExerciseFailed(f"{call} gave {count} all-reduces, expected {want_count}: {hint}")
-        if abs(nbytes - want_bytes) > 1e-6 * max(want_bytes, 1):
-            hints = {
-                count * activation: "that is the tensor size; a ring all-reduce makes each rank "
-                "send 2 (p - 1) / p of it (reduce-scatter, then all-gather)",
-                count * activation * (world - 1) / world: "that is half of a ring all-reduce: "
-                "the reduce-scatter; the all-gather sends as much again",
-                count
-                * activation
-                * 2: "that is 2x the tensor per all-reduce, the ring's limit for "
-                "many ranks; with p ranks each sends 2 (p - 1) / p of it",
-                count * batch * seq * n_embd * 2 * (world - 1) / world: "that counts elements; "
-                "multiply by element_size for bytes",
-            }
-            hint = next(
-                (
-                    why
-                    for value, why in hints.items()
-                    if abs(nbytes - value) <= 1e-6 * max(value, 1)
-                ),
-                "each all-reduce is a ring over tp ranks on batch x seq x n_embd elements",
+@checker(
+    "gather_last_dim",
+    writes=(
+        "dmlbook.advanced.tensor_parallel.comm.gather_from_tensor_parallel",
+        "dmlbook.advanced.tensor_parallel.comm.AllGatherForwardSplitBackward.forward",
+        "dmlbook.advanced.tensor_parallel.comm._all_gather_last",
+        "torch.distributed.nn.functional.all_gather",
+    ),
+)
+def check_gather_last_dim(fn: Callable[[torch.Tensor, object], torch.Tensor]) -> str:
+    """Check ``fn(block, group)`` on 3 ranks: forward, every rank's block of the last dimension
+    side by side in rank order on every rank; backward, this rank's block of the output's
+    gradient, with no sum over the ranks (they all computed the same loss)."""
+    world, width = 3, 2
+    call = f"your gather_last_dim(block of shape (2, {width}), group) on {world} ranks"
+    with learner_code(call):
+        ranks = run_answer(_gather_on_rank, world, fn, width)
+    weights = torch.arange(2 * width * world, dtype=torch.float64).view(2, -1) + 1
+    blocks = [r["block"] for r in ranks if "block" in r]
+    want_value = torch.cat(blocks, dim=-1) if len(blocks) == world else None
+    for rank, r in enumerate(ranks):
+        if r["shape"] is None:
+            raise ExerciseFailed(f"{call} returned {r['type']} on rank {rank}, not a tensor")
+        if r["shape"] != (2, width * world):
+            hint = (
+                ": that is this rank's block alone; gather every rank's"
+                if r["shape"] == (2, width)
+                else ": the blocks go side by side along the last dimension"
+                if r["shape"] == (2 * world, width)
+                else ""
             )
-            raise ExerciseFailed(f"{call} gave {nbytes:g} bytes, expected {want_bytes:g}: {hint}")
-    return f"counts and bytes right for {len(_traffic_cases())} models (TP = 1, 2, 3, 4, 8)"
+            raise ExerciseFailed(
+                f"{call} returned shape {r['shape']} on rank {rank}, expected "
+                f"{(2, width * world)}{hint}"
+            )
+        if not torch.equal(r["value"], want_value):
+            raise ExerciseFailed(
+                f"{call} returned on rank {rank}\n{r['value']}\nexpected\n{want_value}\n(rank "
+                "r's block holds the number r plus hundredths: put rank r's block at columns "
+                f"[r * {width}, (r + 1) * {width}))"
+            )
+        mine = weights[:, rank * width : (rank + 1) * width]
+        if not r["connected"] or r["grad"] is None:
+            raise ExerciseFailed(
+                f"{call}: no gradient reached the block on rank {rank}. dist.all_gather fills "
+                "tensors outside autograd: write a torch.autograd.Function whose backward says "
+                "what the block's gradient is (or join the block itself, not a gathered copy "
+                "of it, into the output)"
+            )
+        grad = r["grad"]
+        if torch.equal(grad, mine):
+            continue
+        if torch.allclose(grad, world * mine):
+            hint = (
+                f"{world} times the right one: your backward summed over the ranks (an "
+                "all-reduce or reduce-scatter). Every rank computed the same loss from the same "
+                "whole output, so each already holds the whole output's gradient: keep your "
+                "block of it, no communication (the conjugate of this all-gather is a split)"
+            )
+        elif any(torch.equal(grad, weights[:, k * width : (k + 1) * width]) for k in range(world)):
+            hint = "another rank's block of the output gradient; take columns of your own rank"
+        else:
+            hint = "expected this rank's block of the output's gradient, unchanged"
+        raise ExerciseFailed(
+            f"{call}: on rank {rank} the block's gradient was\n{grad}\nexpected\n{mine}: {hint}"
+        )
+    return f"forward and backward right on {world} ranks"

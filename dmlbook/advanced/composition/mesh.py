@@ -14,11 +14,12 @@ keeps the ones it belongs to. The last dimension varies
 fastest: with ``("dp", "tp")`` the TP groups are neighbouring ranks, which on GPUs are the GPUs of
 one machine, joined by NVLink, as Megatron-LM places them.
 
-:func:`train_hybrid` trains the char-GPT of :mod:`dmlbook.models` on such a grid, a
-``Layout(dp=..., tp=...)``, parallelised by the one
-:func:`~dmlbook.advanced.composition.compose.compose`: chapter 9's tensor-parallel plan inside
-each TP group, the batch split over the DP groups, gradients averaged over DP and the optimizer
-state sharded over it (ZeRO-1, chapter 9b; the update is plain Adam's, elementwise).
+:func:`hybrid_step` is one training step on such a grid, a ``Layout(dp=..., tp=...)``: forward
+and backward of the rank's tensor-parallel shard (chapter 9's plan, communicating inside its TP
+group), then the gradients averaged over its DP group, then the optimizer's step.
+:func:`train_hybrid` runs it on the char-GPT of :mod:`dmlbook.models`, each rank on its DP share
+of every batch. (Chapter 13's :func:`~dmlbook.advanced.composition.compose.compose` builds the
+same thing with more dimensions, and ZeRO-1 over DP.)
 :func:`~dmlbook.data_parallel.loop.train_reference` (Adam, whole batches) is the single-process
 run it equals.
 """
@@ -33,17 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
-from dmlbook.advanced.composition.plan import CHAR_GPT_PLAN, tensor_parallel_char_gpt
+from dmlbook.advanced.composition.plan import tensor_parallel_char_gpt
 from dmlbook.comm import gloo_thread
 from dmlbook.comm.groups import local_rows
-from dmlbook.data_parallel.loop import ForwardBackward, train_loop
-from dmlbook.models import Batch, CharGPT
+from dmlbook.models import CharGPT
 
 __all__ = [
     "DeviceMesh",
     "TrainResult",
+    "hybrid_step",
     "mesh_groups",
     "shard_of",
     "train_hybrid",
@@ -123,6 +123,25 @@ class TrainResult:
     model: nn.Module  # the trained model (this rank's shard for train_hybrid)
 
 
+def hybrid_step(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], optimizer, dp_group
+) -> float:
+    """One DP x TP training step (chapter 9): forward and backward of this rank's tensor-parallel
+    shard on its DP share of the batch (the layers' f and g all-reduce inside the TP group), the
+    gradients averaged over the DP group, then the optimizer's step. Returns this rank's loss."""
+    idx, targets = batch  # (B / dp, T): this rank's rows of the global batch
+    optimizer.zero_grad()
+    _, loss = model(idx, targets)  # forward: g all-reduces each block's halves over TP
+    loss.backward()  # backward: f all-reduces the input gradients over TP
+    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    if dp > 1:
+        for p in model.parameters():  # communication: average each shard's gradient over DP
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad /= dp
+    optimizer.step()  # plain Adam on this rank's shard
+    return loss.item()
+
+
 def train_hybrid(
     make_model: Callable[[], CharGPT],
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -130,24 +149,21 @@ def train_hybrid(
     lr: float = 1e-2,
 ) -> TrainResult:
     """DP x TP training on ``groups = ProcessGroups(Layout(dp=..., tp=...))``: every rank builds
-    the whole model from the same seed, :func:`~dmlbook.advanced.composition.compose.compose`
-    keeps its TP shard (chapter 9's plan) and shards Adam's state over its DP group; each rank
-    trains on its DP slice of each batch. Returns the global loss per step and this rank's
-    shard."""
+    the whole model from the same seed, keeps its TP shard (chapter 9's plan) and runs
+    :func:`hybrid_step` with Adam on its DP share of each batch. Returns the global loss per step
+    and this rank's shard."""
     layout = groups.layout
     if (layout.pp, layout.cp, layout.ep) != (1, 1, 1):
         raise ValueError(f"train_hybrid is DP x TP; layout {layout} has pp, cp or ep > 1")
-    composed = compose(make_model(), groups, CHAR_GPT_PLAN, torch.optim.Adam, lr=lr)
-    plan = [local_rows(Batch(idx, targets), groups.dp) for idx, targets in batches]  # my rows
-    # The one training loop: the composed model brings its own loss (on the split logits), the
-    # sync averages gradients over the DP group, and ``composed`` steps as ZeRO-1's optimizer.
-    state = train_loop(composed.model, composed, None, None, plan, sync=composed.sync,
-                       group=groups.dp, forward_backward=ForwardBackward(loss_fn=None))  # fmt: skip
-    losses = torch.tensor(state.losses, dtype=torch.float64)  # this rank's, per step
+    model = tensor_parallel_char_gpt(make_model(), group=groups.tp)  # this rank's TP shard
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    mine = [local_rows(tuple(batch), groups.dp) for batch in batches]  # my DP share of each
+    losses = torch.tensor([hybrid_step(model, b, optimizer, groups.dp) for b in mine],
+                          dtype=torch.float64)  # fmt: skip
     if layout.dp > 1:
         dist.all_reduce(losses, group=groups.dp)  # communication: the global loss, for the curve
         losses /= layout.dp
-    return TrainResult(losses.tolist(), composed.model)
+    return TrainResult(losses.tolist(), model)
 
 
 def shard_of(model: CharGPT, groups: ProcessGroups) -> nn.Module:

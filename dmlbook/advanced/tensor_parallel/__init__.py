@@ -17,7 +17,11 @@ to an unmodified model is :mod:`dmlbook.advanced.composition.plan`.
 """
 
 from dmlbook.advanced.tensor_parallel.comm import (
+    AllGatherForwardSplitBackward,
+    AllReduceForwardIdentityBackward,
     CommRecord,
+    IdentityForwardAllReduceBackward,
+    SplitForwardAllGatherBackward,
     copy_to_tensor_parallel,
     counting,
     gather_from_tensor_parallel,
@@ -33,18 +37,24 @@ from dmlbook.advanced.tensor_parallel.layers import (
 )
 from dmlbook.advanced.tensor_parallel.vocab_parallel import (
     VocabParallelCrossEntropy,
+    VocabParallelCrossEntropyFunction,
     VocabParallelEmbedding,
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
 
 __all__ = [
+    "AllGatherForwardSplitBackward",
+    "AllReduceForwardIdentityBackward",
     "ColumnParallelLinear",
     "CommRecord",
+    "IdentityForwardAllReduceBackward",
+    "SplitForwardAllGatherBackward",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
     "VocabParallelCrossEntropy",
+    "VocabParallelCrossEntropyFunction",
     "VocabParallelEmbedding",
     "communication_per_step",
     "copy_to_tensor_parallel",

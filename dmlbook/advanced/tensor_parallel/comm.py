@@ -10,9 +10,10 @@ through this one module, in layers as in Megatron's ``mappings.py``:
 * raw collectives (an all-reduce, and an all-gather of the last dimension) that bypass at world
   size 1 and record every call they make as a :class:`CommRecord` (:mod:`dmlbook.comm.trace`):
   inside ``with counting() as comms:`` the notebook counts the collectives per layer and pass;
-* autograd functions in conjugate pairs, each saying what it does forward and backward:
-  :func:`copy_to_tensor_parallel` is the identity forward and an all-reduce backward (Megatron's
-  ``f``), :func:`reduce_from_tensor_parallel` the reverse (``g``);
+* autograd functions in conjugate pairs, each named for what it does forward and backward:
+  :class:`IdentityForwardAllReduceBackward` (Megatron's ``f``, wrapped by
+  :func:`copy_to_tensor_parallel`) and :class:`AllReduceForwardIdentityBackward` (``g``,
+  :func:`reduce_from_tensor_parallel`);
   :func:`gather_from_tensor_parallel` and :func:`scatter_to_tensor_parallel` are the pair that
   joins or cuts the last dimension; along the sequence (dimension 1 of ``(B, T, C)``),
   :func:`scatter_to_sequence_parallel` (keep my block; all-gather backward),
@@ -47,6 +48,10 @@ from dmlbook.comm.groups import even_block, group_rank_size
 
 __all__ = [
     "SEQ_DIM",
+    "AllGatherForwardSplitBackward",
+    "AllReduceForwardIdentityBackward",
+    "IdentityForwardAllReduceBackward",
+    "SplitForwardAllGatherBackward",
     "CommRecord",
     "check_same_sequence_split",
     "copy_to_tensor_parallel",
@@ -166,9 +171,10 @@ def _reduce_scatter_sequence(t: torch.Tensor, group, direction: str) -> torch.Te
 # --------------------------------------------------------------------------- conjugate operators
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; backward all-reduces the input's gradient, because
-    every rank's shard used the whole input and each contributes part of its gradient."""
+class IdentityForwardAllReduceBackward(torch.autograd.Function):
+    """Megatron's ``f``: identity in forward, all-reduce of the gradient in backward. Placed
+    before a column-parallel layer: every rank's shard used the whole input, so each rank's
+    input gradient is only its shard's part of the whole one."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -180,9 +186,10 @@ class _CopyToTensorParallel(torch.autograd.Function):
         return _all_reduce(grad, ctx.group, "backward"), None
 
 
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce forward (add the ranks' partial sums); identity backward,
-    because every partial sum gets the whole output's gradient."""
+class AllReduceForwardIdentityBackward(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce in forward (add the ranks' partial sums), identity in
+    backward. Placed after a row-parallel layer: every partial sum gets the whole output's
+    gradient as it is."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -193,8 +200,9 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTensorParallel(torch.autograd.Function):
-    """All-gather the last dimension forward; backward keeps this rank's block of the gradient."""
+class AllGatherForwardSplitBackward(torch.autograd.Function):
+    """All-gather of the last dimension in forward; this rank's block of the gradient in
+    backward (a column-parallel layer's ``gather_output``)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -206,8 +214,9 @@ class _GatherFromTensorParallel(torch.autograd.Function):
         return _my_block_last(grad, ctx.group), None
 
 
-class _ScatterToTensorParallel(torch.autograd.Function):
-    """Keep this rank's block of the last dimension forward; backward all-gathers the gradient."""
+class SplitForwardAllGatherBackward(torch.autograd.Function):
+    """This rank's block of the last dimension in forward; all-gather of the gradient in
+    backward (a row-parallel layer given the whole input)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -221,22 +230,22 @@ class _ScatterToTensorParallel(torch.autograd.Function):
 
 def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (``f``)."""
-    return _CopyToTensorParallel.apply(x, group)
+    return IdentityForwardAllReduceBackward.apply(x, group)
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (``g``)."""
-    return _ReduceFromTensorParallel.apply(x, group)
+    return AllReduceForwardIdentityBackward.apply(x, group)
 
 
 def gather_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's last-dimension block forward; split the gradient backward."""
-    return _GatherFromTensorParallel.apply(x, group)
+    return AllGatherForwardSplitBackward.apply(x, group)
 
 
 def scatter_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's last-dimension block forward; all-gather the gradient backward."""
-    return _ScatterToTensorParallel.apply(x, group)
+    return SplitForwardAllGatherBackward.apply(x, group)
 
 
 # --------------------------------------------------------------------------- along the sequence

@@ -28,6 +28,7 @@ from dmlbook.comm.groups import even_block, group_rank_size
 
 __all__ = [
     "VocabParallelCrossEntropy",
+    "VocabParallelCrossEntropyFunction",
     "VocabParallelEmbedding",
     "padded_vocab_size",
     "vocab_parallel_cross_entropy",
@@ -80,7 +81,11 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel(rows, self.group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class VocabParallelCrossEntropyFunction(torch.autograd.Function):
+    """Each token's cross-entropy from this rank's block of the logits: two all-reduces forward
+    (the max; the sum of exp with the target's logit), none backward (softmax - one-hot, on the
+    rank's own columns)."""
+
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start):
         # logits: (N, V / p), this rank's columns; target: (N,) global ids.
@@ -126,7 +131,7 @@ def vocab_parallel_cross_entropy(
         )
     rank, _ = group_rank_size(group)
     vocab_start = rank * logits.shape[-1]
-    losses = _VocabParallelCrossEntropy.apply(
+    losses = VocabParallelCrossEntropyFunction.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, vocab_start
     ).view(target.shape)
     if reduction == "mean":

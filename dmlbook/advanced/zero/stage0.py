@@ -110,7 +110,7 @@ class ZeroStage0(nn.Module):
         self._callback_queued = False
         for unit in self._units:
             self._shard(unit)
-        self._install_hooks()
+        self.register_hooks()
         self._measure("after setup")
 
     # ---- layout
@@ -173,7 +173,7 @@ class ZeroStage0(nn.Module):
         for p, view in zip(unit.params, unit.views(unit.full_grad), strict=True):
             p.grad = view
 
-    def _install_hooks(self) -> None:
+    def register_hooks(self) -> None:
         """Stage 0 and 1 need none: the gradients are averaged in :meth:`step`."""
 
     # ---- the collectives, torch's or chapter 2's
@@ -229,10 +229,10 @@ class ZeroStage0(nn.Module):
         """Average the gradients, step Adam on this rank's part, and share the new parameters."""
         self.steps += 1
         for unit in self._units:
-            self._step_unit(unit)
+            self.step_unit(unit)
         self._measure("after step")
 
-    def _step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: _Unit) -> None:
         """Stage 0: all-reduce the gradient, and every rank steps every element."""
         self._all_reduce_avg(unit.full_grad)
         self._adam(unit.full_param, unit.full_grad, unit)
@@ -269,13 +269,18 @@ class ZeroStage0(nn.Module):
         """Unpadded number of parameters in each unit."""
         return [u.numel for u in self._units]
 
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Elements of each unit a rank owns, padding included (the same on every rank)."""
+        return [u.stop - u.start for u in self._units]
+
     def _gathered(self, unit: _Unit) -> bool:
         return True  # below stage 3 every rank holds every parameter
 
-    def _gather_params(self, unit: _Unit) -> None:
+    def gather_params(self, unit: _Unit) -> None:
         pass
 
-    def _free_params(self, unit: _Unit) -> None:
+    def free_params(self, unit: _Unit) -> None:
         pass
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -284,9 +289,9 @@ class ZeroStage0(nn.Module):
         full = {}
         for unit in self._units:
             was_gathered = self._gathered(unit)
-            self._gather_params(unit)
+            self.gather_params(unit)
             for p in unit.params:
                 full[names[id(p)]] = p.detach().clone()
             if not was_gathered:
-                self._free_params(unit)
+                self.free_params(unit)
         return full

@@ -7,6 +7,7 @@ stage 3 also the parameters (gathered just in time for each unit's forward and b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,14 +28,15 @@ class ZeroStage1(ZeroStage0):
     def _owned(self, unit: _Unit) -> int:
         return unit.stop - unit.start
 
-    def _step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: _Unit) -> None:
+        """Stage 1: reduce-scatter the gradient, step this rank's shard, all-gather."""
         # reduce-scatter in place, into this rank's slice of the full gradient (an output that
         # is the input's own chunk is allowed, as in NCCL)
         grad = unit.full_grad[unit.start : unit.stop]
         self._reduce_scatter_avg(grad, unit.full_grad)
-        self._step_shard(unit, grad)
+        self.step_shard(unit, grad)
 
-    def _step_shard(self, unit: _Unit, grad: torch.Tensor) -> None:
+    def step_shard(self, unit: _Unit, grad: torch.Tensor) -> None:
         """Adam on this rank's shard, then every rank's new shard to everyone."""
         mine = unit.full_param[unit.start : unit.stop]
         self._adam(mine, grad, unit)
@@ -51,7 +53,8 @@ class ZeroStage2(ZeroStage1):
     def _place_gradients(self, unit: _Unit) -> None:
         unit.grad_shard = unit.full_param.new_zeros(unit.stop - unit.start)
 
-    def _install_hooks(self) -> None:
+    def register_hooks(self) -> None:
+        """On every parameter, a hook that runs when backward has produced its gradient."""
         for unit in self._units:
             for i, p in enumerate(unit.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, i)))
@@ -60,27 +63,35 @@ class ZeroStage2(ZeroStage1):
         for unit in self._units:
             unit.grad_shard.zero_()
 
-    def _step_unit(self, unit: _Unit) -> None:
-        self._step_shard(unit, unit.grad_shard)  # reduce-scattered during backward already
+    def step_unit(self, unit: _Unit) -> None:
+        """Stage 2: step this rank's shard and all-gather the parameters."""
+        self.step_shard(unit, unit.grad_shard)  # reduce-scattered during backward already
 
     def _grad_hook(self, unit: _Unit, index: int) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            self._queue_end_of_backward()
-            if unit.full_grad is None:
-                unit.full_grad = param.grad.new_zeros(unit.padded)
-            offset, numel = unit.offsets[index], unit.numels[index]
-            unit.full_grad[offset : offset + numel] += param.grad.reshape(-1)
-            param.grad = None  # autograd's copy is released; the flat buffer holds it
-            unit.ready.add(index)
-            if len(unit.ready) == len(unit.params):
-                self._reduce_unit_grad(unit)
+            self._queue_end_of_backward()  # a last pass for units backward never reached
+            self.grad_ready(unit, index, param)
 
         return hook
 
-    def _reduce_unit_grad(self, unit: _Unit) -> None:
-        self._measure(f"backward {unit.name}: gradient complete")
+    def grad_ready(self, unit: _Unit, index: int, param: torch.Tensor) -> None:
+        """Backward has produced ``param``'s gradient (a post-accumulate-grad hook calls this):
+        add it to the unit's full gradient, and once the unit's last one is in, reduce-scatter."""
+        if unit.full_grad is None:  # the unit's whole gradient lives only during its backward
+            unit.full_grad = param.grad.new_zeros(unit.padded)
+        offset, numel = unit.offsets[index], unit.numels[index]
+        unit.full_grad[offset : offset + numel] += param.grad.reshape(-1)
+        param.grad = None  # autograd's copy is released; the flat buffer holds it
+        unit.ready.add(index)
+        if len(unit.ready) == len(unit.params):
+            self.reduce_scatter_grad(unit)
+
+    def reduce_scatter_grad(self, unit: _Unit) -> None:
+        """Sum the unit's gradient over the ranks, keep the average of this rank's shard, and
+        free the full gradient."""
+        self._measure(f"backward {unit.name}: gradient complete")  # the memory meter's sample
         reduced = torch.empty_like(unit.grad_shard)
-        self._reduce_scatter_avg(reduced, unit.full_grad)
+        self._reduce_scatter_avg(reduced, unit.full_grad)  # communication: reduce-scatter
         unit.grad_shard += reduced  # accumulates across backward passes until zero_grad
         unit.full_grad, unit.ready = None, set()
 
@@ -95,7 +106,7 @@ class ZeroStage2(ZeroStage1):
             if self._reached_in_backward(unit):
                 if unit.full_grad is None:
                     unit.full_grad = unit.grad_shard.new_zeros(unit.padded)
-                self._reduce_unit_grad(unit)
+                self.reduce_scatter_grad(unit)
         self._measure("end of backward")
 
     def _reached_in_backward(self, unit: _Unit) -> bool:
@@ -118,61 +129,69 @@ class ZeroStage3(ZeroStage2):
     def _place_gradients(self, unit: _Unit) -> None:
         super()._place_gradients(unit)
         unit.param_shard = unit.full_param[unit.start : unit.stop].clone()
-        self._free_params(unit)
+        self.free_params(unit)
 
-    def _install_hooks(self) -> None:
-        super()._install_hooks()
+    def register_hooks(self) -> None:
+        """Stage 2's gradient hooks, and on every unit a hook before and after its forward."""
+        super().register_hooks()
         for unit in self._units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._post_forward(unit)))
+            pre = functools.partial(self._call_before_forward, unit)
+            post = functools.partial(self._call_after_forward, unit)
+            self._handles.append(unit.module.register_forward_pre_hook(pre))
+            self._handles.append(unit.module.register_forward_hook(post))
 
-    def _step_unit(self, unit: _Unit) -> None:
+    def _call_before_forward(self, unit: _Unit, module, args) -> None:
+        self.before_forward(unit)
+
+    def _call_after_forward(self, unit: _Unit, module, args, output) -> None:
+        self.after_forward(unit, output)
+
+    def step_unit(self, unit: _Unit) -> None:
+        """Stage 3: step this rank's parameter shard; nothing to gather."""
         self._adam(unit.param_shard, unit.grad_shard, unit)  # the next forward gathers it
 
     def _gathered(self, unit: _Unit) -> bool:
         return unit.full_param.untyped_storage().nbytes() > 0
 
-    def _gather_params(self, unit: _Unit) -> None:
+    def gather_params(self, unit: _Unit) -> None:
+        """Give the unit's flat buffer its bytes back and all-gather every rank's shard into it:
+        the module's parameters, views of that buffer, hold the whole numbers again."""
         if self._gathered(unit):
             return
         storage = unit.full_param.untyped_storage()
-        storage.resize_(unit.padded * unit.full_param.element_size())
-        self._all_gather(unit.full_param, unit.param_shard)
+        storage.resize_(unit.padded * unit.full_param.element_size())  # memory for the unit
+        self._all_gather(unit.full_param, unit.param_shard)  # communication: all-gather
 
-    def _free_params(self, unit: _Unit) -> None:
+    def free_params(self, unit: _Unit) -> None:
+        """Drop the gathered parameters; only this rank's ``param_shard`` stays."""
         unit.full_param.untyped_storage().resize_(0)
 
-    def _pre_forward(self, unit: _Unit) -> Callable:
-        def hook(module, args):
-            self._gather_params(unit)
-            self._measure(f"forward {unit.name}: gathered")
+    def before_forward(self, unit: _Unit) -> None:
+        """A forward pre-hook: gather the unit just in time."""
+        self.gather_params(unit)
+        self._measure(f"forward {unit.name}: gathered")
 
-        return hook
+    def after_forward(self, unit: _Unit, output) -> None:
+        """A forward hook: free the unit, and ask to hear when its output's gradient arrives."""
+        self.free_params(unit)
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                unit.gathered_for_backward = False
+                out.register_hook(lambda grad, unit=unit: self.before_backward(unit))
 
-    def _post_forward(self, unit: _Unit) -> Callable:
-        def hook(module, args, output):
-            self._free_params(unit)
-            outputs = output if isinstance(output, tuple | list) else (output,)
-            for out in outputs:
-                if isinstance(out, torch.Tensor) and out.requires_grad:
-                    unit.gathered_for_backward = False
-                    out.register_hook(self._pre_backward(unit))
+    def before_backward(self, unit: _Unit) -> None:
+        """The unit's output gradient has arrived, so its backward is next: gather it again.
+        (:meth:`reduce_scatter_grad` frees it once its gradient is reduce-scattered.)"""
+        self._queue_end_of_backward()
+        if not unit.gathered_for_backward:
+            unit.gathered_for_backward = True
+            self.gather_params(unit)
+            self._measure(f"backward {unit.name}: gathered")
 
-        return hook
-
-    def _pre_backward(self, unit: _Unit) -> Callable:
-        def hook(grad):  # the gradient of the unit's output: its backward is next
-            self._queue_end_of_backward()
-            if not unit.gathered_for_backward:
-                unit.gathered_for_backward = True
-                self._gather_params(unit)
-                self._measure(f"backward {unit.name}: gathered")
-
-        return hook
-
-    def _reduce_unit_grad(self, unit: _Unit) -> None:
-        super()._reduce_unit_grad(unit)
-        self._free_params(unit)
+    def reduce_scatter_grad(self, unit: _Unit) -> None:
+        super().reduce_scatter_grad(unit)
+        self.free_params(unit)
         unit.gathered_for_backward = False
 
     def _reached_in_backward(self, unit: _Unit) -> bool:

@@ -76,6 +76,7 @@ def train(
         "peak": zero.memory.peak,
         "samples": list(zero.memory.samples),
         "unit_sizes": zero.unit_sizes,
+        "shard_sizes": zero.shard_sizes,
         "passed_bytes": passed,
         "sent_bytes": sum(s.nbytes for s in meter.sent),
     }
