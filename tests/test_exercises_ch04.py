@@ -95,3 +95,53 @@ def test_topk_catches_planted_bugs(answer, message):
 def test_unanswered_exercises_are_not_attempted():
     assert ch04.check_int8_quantize(unanswered).status == "not attempted"
     assert ch04.check_topk_error_feedback(unanswered).status == "not attempted"
+
+
+# An answer for each exercise that only calls the library: tests/test_exercise_back_doors.py
+# checks that each is rejected, because the functions that do the job are switched off.
+def _delegate_quantize(t):
+    from dmlbook.model_parallel.serving import quantization
+
+    return quantization.quantize_int8(t, per_channel=False)
+
+
+def _delegate_compress(grad, residual, k):
+    from dmlbook.comm import compression
+
+    return compression.topk_compress(grad, residual, k)
+
+
+DELEGATING_ANSWERS = {
+    "int8_quantize": _delegate_quantize,
+    "topk_error_feedback": _delegate_compress,
+}
+
+
+def _quantize_by_torch(t):
+    scale = max(t.abs().max().item() / 127, 1e-12)
+    return torch.quantize_per_tensor(t, scale, 0, torch.qint8).int_repr(), scale
+
+
+def _quantize_rows(t):
+    from dmlbook.model_parallel.serving import quantization
+
+    q, scales = quantization.quantize_rows(t.reshape(1, -1))
+    return q.view_as(t), scales.item()
+
+
+@pytest.mark.parametrize("answer", [_quantize_by_torch, _quantize_rows])
+def test_other_library_quantizers_are_rejected_too(answer):
+    with pytest.raises(ExerciseFailed, match="called the library instead.*switched off"):
+        ch04.check_int8_quantize(answer)
+
+
+def test_topk_compress_is_the_hooks_mechanism_and_passes_the_checker():
+    """The library's topk_compress (what topk_hook runs) meets the exercise's contract."""
+    from dmlbook.comm import compression
+
+    g = torch.Generator().manual_seed(0)
+    grad, residual = torch.randn(40, generator=g), torch.randn(40, generator=g)
+    values, indices, new_residual = compression.topk_compress(grad, residual, 4)
+    ours = compress(grad, residual, 4)
+    assert torch.equal(indices.sort().values, ours[1].sort().values)
+    assert torch.equal(new_residual, ours[2])

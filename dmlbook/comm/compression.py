@@ -16,6 +16,7 @@ torch's default hook does.
   et al. 2014): send ``sign(g + e) * mean|g + e|``, 8 signs a byte, and keep the rest as ``e``.
 * ``topk_hook``: send the k largest-magnitude entries of ``g + e`` and their indices (Aji and
   Heafield 2017; Lin et al. 2018, "Deep Gradient Compression"); the rest stays in ``e``.
+  ``topk_compress`` is that step on one flat gradient, which the hook runs on its bucket.
 
 Compressed values cannot be summed on the wire, so the last three *gather* every rank's payload,
 which costs ``(W - 1) * payload`` bytes per rank where a ring all-reduce costs
@@ -49,6 +50,7 @@ __all__ = [
     "int8_hook",
     "sign_hook",
     "topk_hook",
+    "topk_compress",
     "pack_bits",
     "unpack_bits",
     "TcpCount",
@@ -222,16 +224,29 @@ def sign_hook(state: SignState, bucket: dist.GradBucket) -> Future:
     )
 
 
+def topk_compress(
+    grad: torch.Tensor, residual: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k with error feedback on one flat gradient: ``(values, indices, new_residual)``.
+
+    Add last step's residual, send the k entries of largest magnitude and their places, and keep
+    everything not sent as the new residual: nothing is lost, only delayed.
+    """
+    corrected = grad + residual  # (n,) g + e: last steps' error is fed back
+    where = corrected.abs().topk(k, sorted=False).indices  # (k,)
+    values = corrected[where]  # (k,)
+    new_residual = corrected.index_fill(0, where, 0.0)  # error feedback: keep what was not sent
+    return values, where, new_residual
+
+
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> Future:
     """Top-k with error feedback: send the k largest ``|g + e|`` and their places; keep the rest."""
     buffer, index = bucket.buffer(), bucket.index()
     n = buffer.numel()
     k = max(1, math.ceil(state.fraction * n))
     residual = state.residual(index, buffer)
-    corrected = buffer + residual  # (n,)
-    where = corrected.abs().topk(k, sorted=False).indices  # (k,)
-    values = corrected[where]  # (k,)
-    residual.copy_(corrected).index_fill_(0, where, 0.0)  # error feedback: keep what was not sent
+    values, where, new_residual = topk_compress(buffer, residual, k)  # (k,), (k,), (n,)
+    residual.copy_(new_residual)
     payload = torch.cat([values.view(torch.int32), where.to(torch.int32)])  # 8k bytes
 
     def scatter_and_average(fut: Future) -> torch.Tensor:

@@ -242,14 +242,14 @@ class SharedMemoryGroup:
         count = len(parts[0])  # blocks in a chunk (chunk 0 is the longest)
         for step in range(count + 2):  # a pipeline of three stages, one block apart
             if step < count:
-                self._copy_in(step, parts, cells)
+                self.copy_in_block(step, parts, cells)
             if 0 <= step - 1 < count:
-                self._reduce(step - 1, parts, cells, op)
+                self.reduce_block(step - 1, parts, cells, op)
             if 0 <= step - 2 < count:
-                self._copy_out(step - 2, parts, cells)
+                self.copy_out_block(step - 2, parts, cells)
         self.blocks += count
 
-    def _copy_in(self, k: int, parts, cells) -> None:
+    def copy_in_block(self, k: int, parts, cells) -> None:
         """1. Block k of every chunk but mine into my cell."""
         n = self.blocks + k  # blocks are counted across calls: counters only grow
         # Block k goes through cell k % CELLS, last used by block k - CELLS of this call (or by
@@ -261,7 +261,7 @@ class SharedMemoryGroup:
                 _fit(cell[c], part).copy_(part)
         self.publish(_COPIED, n + 1)
 
-    def _reduce(self, k: int, parts, cells, op) -> None:
+    def reduce_block(self, k: int, parts, cells, op) -> None:
         """2. Block k of my chunk, combined over every rank, into my cell and my tensor."""
         n = self.blocks + k
         self.wait(_COPIED, n + 1, "all_reduce")
@@ -274,7 +274,7 @@ class SharedMemoryGroup:
             mine.copy_(out)
         self.publish(_REDUCED, n + 1)
 
-    def _copy_out(self, k: int, parts, cells) -> None:
+    def copy_out_block(self, k: int, parts, cells) -> None:
         """3. Block k of every other chunk, reduced, from its owner's cell."""
         n = self.blocks + k
         self.wait(_REDUCED, n + 1, "all_reduce")

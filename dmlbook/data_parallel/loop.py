@@ -390,6 +390,8 @@ class TrainConfig:
     momentum: float = 0.0  # SGD's
     eval_every: int = 0  # steps between two test-accuracy evaluations (0: none)
     progress: bool = False  # a progress bar on rank 0
+    base_batch: int | None = None  # if set: lr is for this batch, scaled to global_batch (linear)
+    warmup_steps: int = 0  # if > 0: ramp up to the (scaled) lr over this many steps
 
 
 def train(
@@ -408,7 +410,8 @@ def train(
     ``config`` (:class:`TrainConfig`) fixes the run. Its ``global_batch`` is summed over the
     ranks, so each rank takes ``global_batch // world`` samples a step. Its ``lr`` is a number or
     a function of the step: for a larger global batch,
-    ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``.
+    ``warmup(linear_scaling(base_lr, base_batch, global_batch), steps)``, which
+    ``TrainConfig(lr=base_lr, base_batch=base_batch, warmup_steps=steps)`` also asks for.
 
     ``model`` may be a DDP wrapper (:class:`BucketedDDP`, :class:`NaiveDDP` or torch's
     ``DistributedDataParallel``, chapter 3): it averages the gradients during backward, so the
@@ -426,6 +429,12 @@ def train(
     if not isinstance(model, _DataParallel | TorchDDP):
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
     score = accuracy if isinstance(sync, ModelAveraging) else partial(sharded_accuracy, group=group)
+    if (config.base_batch is not None or config.warmup_steps) and callable(lr):
+        raise ValueError("base_batch and warmup_steps scale a number lr, not a function")
+    if config.base_batch is not None:
+        lr = linear_scaling(lr, config.base_batch, global_batch)
+    if config.warmup_steps:
+        lr = warmup(lr, config.warmup_steps)
     lr_at = lr if callable(lr) else (lambda step: lr)
     history = History()
     steps = epochs * (len(x) // global_batch)

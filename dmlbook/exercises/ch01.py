@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook import launch, models
+from dmlbook import models
 from dmlbook.data_parallel import linear_scaling, warmup
 from dmlbook.datasets import shard_indices
-from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.exercises import ExerciseFailed, checker, learner_code, run_answer
 
 __all__ = ["check_shard", "check_lr_schedule", "check_average_gradients"]
 
@@ -31,23 +31,34 @@ SHARD_LENGTHS = (1, 4, 5, 7, 10, 13)  # shorter than, equal to and not a multipl
 SHARD_WORLD_SIZES = (1, 2, 3, 4, 5)
 
 
-@checker("shard")
+@checker(
+    "shard",
+    writes=(
+        "dmlbook.datasets.shard_indices",
+        "torch.utils.data.distributed.DistributedSampler",
+    ),
+)
 def check_shard(fn: Callable[[int, int, int], list[int]]) -> str:
     """Check ``fn(length, rank, world_size)``: rank's indices, unshuffled, as DistributedSampler.
 
     Tried on every rank of world sizes 1 to 5 for datasets of 1 to 13 samples.
     """
     cases = 0
+    calls = {
+        (length, rank, world_size): f"length={length}, rank={rank}, world_size={world_size}"
+        for length in SHARD_LENGTHS
+        for world_size in SHARD_WORLD_SIZES
+        for rank in range(world_size)
+    }
+    answers = _answers(fn, {args: f"your function at ({where})" for args, where in calls.items()})
     for length in SHARD_LENGTHS:
         for world_size in SHARD_WORLD_SIZES:
             every_rank = [
                 shard_indices(length, r, world_size, shuffle=False) for r in range(world_size)
             ]
             for rank, expected in enumerate(every_rank):
-                where = f"length={length}, rank={rank}, world_size={world_size}"
-                with learner_code(f"your function at ({where})"):
-                    got = fn(length, rank, world_size)
-                got = _as_list(got, f"at ({where})")
+                where = calls[length, rank, world_size]
+                got = _as_list(answers[length, rank, world_size], f"at ({where})")
                 if got != expected:
                     raise ExerciseFailed(
                         f"at ({where}) expected {expected}, your function returned {got}.\n"
@@ -59,6 +70,19 @@ def check_shard(fn: Callable[[int, int, int], list[int]]) -> str:
     return (
         f"matches DistributedSampler(shuffle=False) on all {cases} (length, rank, world_size) cases"
     )
+
+
+def _answers(fn: Callable, calls: dict[tuple, str]) -> dict[tuple, object]:
+    """``fn(*args)`` for every ``args`` of ``calls``, with the library switched off once for all
+    of them (switching it off costs milliseconds); if one raises, the call is named."""
+    try:
+        with learner_code("your function"):
+            return {args: fn(*args) for args in calls}
+    except ExerciseFailed:
+        for args, what in calls.items():  # again, one at a time, to name the input that fails
+            with learner_code(what):
+                fn(*args)
+        raise
 
 
 def _shard_hint(got: list, length: int, rank: int, world_size: int) -> str:
@@ -98,35 +122,45 @@ BASE_LR = 0.1
 BATCHES = ((256, 64), (256, 256), (256, 1024), (32, 96))  # (base, global): ratios 1/4, 1, 4, 3
 
 
-@checker("lr_schedule")
+@checker(
+    "lr_schedule",
+    writes=(
+        "dmlbook.data_parallel.loop.linear_scaling",
+        "dmlbook.data_parallel.loop.warmup",
+        "torch.optim.lr_scheduler.LinearLR",
+    ),
+)
 def check_lr_schedule(fn: Callable[[int, float, int, int, int], float]) -> str:
     """Check ``fn(step, base_lr, base_batch, global_batch, warmup_steps)``: the linear scaling rule
     with gradual warm-up, on steps before, at the end of and after warm-up.
     """
     cases = 0
-    for warmup_steps in (5, 1):
-        steps = sorted(
+    calls = {
+        (step, BASE_LR, base_batch, global_batch, warmup_steps): (
+            f"fn(step={step}, base_lr={BASE_LR}, base_batch={base_batch}, "
+            f"global_batch={global_batch}, warmup_steps={warmup_steps})"
+        )
+        for warmup_steps in (5, 1)
+        for base_batch, global_batch in BATCHES
+        for step in sorted(
             {0, 1, warmup_steps - 1, warmup_steps, warmup_steps + 1, 2 * warmup_steps + 3}
         )
-        for base_batch, global_batch in BATCHES:
-            peak = linear_scaling(BASE_LR, base_batch, global_batch)
-            for step in steps:
-                expected = warmup(peak, warmup_steps)(step)
-                call = (
-                    f"fn(step={step}, base_lr={BASE_LR}, base_batch={base_batch}, "
-                    f"global_batch={global_batch}, warmup_steps={warmup_steps})"
-                )
-                with learner_code(call):
-                    got = fn(step, BASE_LR, base_batch, global_batch, warmup_steps)
-                if isinstance(got, str | bytes) or not _is_number(got):
-                    raise ExerciseFailed(f"{call} returned {got!r}, which is not a number")
-                if not math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12):
-                    raise ExerciseFailed(
-                        f"{call} returned {float(got):.6g}, expected {expected:.6g} "
-                        f"(the peak learning rate for this global batch is {peak:.6g})"
-                        + _lr_hint(float(got), step, base_batch, global_batch, warmup_steps)
-                    )
-                cases += 1
+    }
+    answers = _answers(fn, calls)
+    for args, call in calls.items():
+        step, _, base_batch, global_batch, warmup_steps = args
+        peak = linear_scaling(BASE_LR, base_batch, global_batch)
+        expected = warmup(peak, warmup_steps)(step)
+        got = answers[args]
+        if isinstance(got, str | bytes) or not _is_number(got):
+            raise ExerciseFailed(f"{call} returned {got!r}, which is not a number")
+        if not math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12):
+            raise ExerciseFailed(
+                f"{call} returned {float(got):.6g}, expected {expected:.6g} "
+                f"(the peak learning rate for this global batch is {peak:.6g})"
+                + _lr_hint(float(got), step, base_batch, global_batch, warmup_steps)
+            )
+        cases += 1
     return f"right on all {cases} (step, batch sizes, warm-up) cases"
 
 
@@ -192,11 +226,17 @@ def _average_gradients_on_rank(fn: Callable[[nn.Module], None]) -> dict:
     )
 
 
-@checker("average_gradients")
+@checker(
+    "average_gradients",
+    writes=(
+        "dmlbook.data_parallel.averaging.average_gradients",
+        "dmlbook.data_parallel.averaging.average_gradients_per_parameter",
+    ),
+)
 def check_average_gradients(fn: Callable[[nn.Module], None], timeout: float = 60.0) -> str:
     """Check ``fn(model)``: on 3 real ranks, every gradient becomes its mean over the ranks."""
     with learner_code(f"your function on {WORLD_SIZE} ranks"):
-        reports = launch.run(_average_gradients_on_rank, WORLD_SIZE, fn, timeout=timeout)
+        reports = run_answer(_average_gradients_on_rank, WORLD_SIZE, fn, timeout=timeout)
     for rank, report in enumerate(reports):
         for name, own, total, got, changed in zip(
             report["names"],

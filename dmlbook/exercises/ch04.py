@@ -31,7 +31,17 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-@checker("int8_quantize")
+@checker(
+    "int8_quantize",
+    writes=(
+        "dmlbook.model_parallel.serving.quantization.quantize_int8",
+        "dmlbook.model_parallel.serving.quantization.quantize_rows",
+        "dmlbook.comm.compression.int8_hook",
+        "torch.quantize_per_tensor",
+        "torch.quantize_per_tensor_dynamic",
+        "torch.fake_quantize_per_tensor_affine",
+    ),
+)
 def check_int8_quantize(fn: Callable[[torch.Tensor], tuple[torch.Tensor, float]]) -> str:
     """Check ``fn(t) -> (q, scale)``: int8 ``q`` of t's shape, ``scale = max|t| / 127``, and
     ``q * scale`` within ``scale / 2`` of t everywhere."""
@@ -66,7 +76,10 @@ def check_int8_quantize(fn: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
     return "int8 within scale / 2 everywhere, with scale = max|t| / 127, on all 4 tensors"
 
 
-@checker("topk_error_feedback")
+@checker(
+    "topk_error_feedback",
+    writes=("dmlbook.comm.compression.topk_compress", "dmlbook.comm.compression.topk_hook"),
+)
 def check_topk_error_feedback(fn: Callable) -> str:
     """Check ``fn(grad, residual, k) -> (values, indices, new_residual)`` over 20 steps: the k
     largest-magnitude entries of grad + residual are sent, and sent + new residual always equals
