@@ -229,8 +229,10 @@ def learner_code(what: str) -> Iterator[None]:
         if isinstance(error, RankTimeoutError):
             raise ExerciseFailed(
                 f"{what} was still running on ranks {error.ranks} at the timeout. Does every "
-                "rank call the same collectives, in the same order? (stacks of the stuck ranks "
-                "below)"
+                "rank call the same collectives, in the same order, and is every send matched by "
+                "a recv on the rank it names (a rank that never receives leaves its sender "
+                "waiting; two ranks that both send first can wait for each other: post sends "
+                "with isend)? The stuck ranks' stacks are attached to this error"
             ) from error
         if isinstance(error, RankError):
             cause = error.__cause__
