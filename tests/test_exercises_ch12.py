@@ -1,8 +1,10 @@
 """Chapter 12's exercise checkers: right answers pass; planted bugs (rounding each share, rounding
 down, splitting by time per sample, equal split, the remainder to the last rank, a rank left with
 nothing, no ValueError; pairwise overlaps that double-count, the union, a fraction, merging
-unsorted lists; plain averaging, 1 / batch, 1 / global batch) are caught with a message that says
-so; unanswered exercises are "not attempted"."""
+unsorted lists, each list's span, the smaller length, a merge that forgets nested intervals, a
+sampled grid; plain DDP, 1 / world size, 1 / batch, batch / global batch, 1 / global batch) are
+caught with a message that says so; fractional batch sizes, hard-coded sizes and non-numbers are
+rejected saying why; float32 and numpy answers pass; unanswered exercises are "not attempted"."""
 
 import math
 from types import SimpleNamespace
@@ -80,8 +82,26 @@ def split_remainder_to_last(speeds, batch):  # floors, then the last rank takes 
     return batches
 
 
+def split_fractional(speeds, batch):  # the exact shares, not whole numbers
+    _checked(speeds, batch)
+    return [batch * s / sum(speeds) for s in speeds]
+
+
+def split_hard_coded(speeds, batch):  # the chapter's example, whatever the input
+    _checked(speeds, batch)
+    return [768, 256] + [1] * (len(speeds) - 2)
+
+
 def test_proportional_batches_passes_right_answers():
     assert ch12.check_proportional_batches(split).status == "passed"
+    # numpy ints and whole floats are whole numbers of samples
+    numpy = pytest.importorskip("numpy")
+    assert ch12.check_proportional_batches(lambda s, b: numpy.array(split(s, b))).status == (
+        "passed"
+    )
+    assert ch12.check_proportional_batches(lambda s, b: [float(x) for x in split(s, b)]).status == (
+        "passed"
+    )
 
 
 @pytest.mark.parametrize(
@@ -94,6 +114,8 @@ def test_proportional_batches_passes_right_answers():
         (split_remainder_to_last, "absorbs all the rounding error"),
         (split_leaving_zero, "at least one sample"),
         (split_without_valueerror, "raise ValueError"),
+        (split_fractional, r"returned \[5\.0, 5\.0\]|a whole number of samples"),
+        (split_hard_coded, "further off than rounding can go"),
     ],
 )
 def test_proportional_batches_catches_planted_bugs(answer, message):
@@ -150,6 +172,40 @@ def overlap_merged_unsorted(a, b):  # merges as if each list were sorted by star
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
 
 
+def overlap_of_spans(a, b):  # each list as one interval, first start to last end
+    def span(x):
+        return [(min(s for s, _ in x), max(e for _, e in x))] if x else []
+
+    return overlap(span(a), span(b))
+
+
+def overlap_min_length(a, b):
+    return min(sum(e - s for s, e in _merge(a)), sum(e - s for s, e in _merge(b)))
+
+
+def overlap_forgetting_nested(a, b):  # merges, but a nested interval cuts the outer one short
+    def merged(intervals):
+        out = []
+        for s, e in sorted(intervals):
+            if out and s <= out[-1][1]:
+                out[-1][1] = e
+            else:
+                out.append([s, e])
+        return out
+
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
+
+
+def overlap_on_a_grid(a, b, step=1e-3):  # counts grid points covered by both
+    def covered(t, x):
+        return any(s <= t < e for s, e in x)
+
+    ends = [e for _, e in a + b]
+    n = int(max(ends, default=0) / step) + 1
+    return step * sum(covered(i * step + step / 3, a) and covered(i * step + step / 3, b)
+                      for i in range(n))  # fmt: skip
+
+
 def test_overlap_passes_right_answers():
     assert ch12.check_overlap(overlap).status == "passed"
 
@@ -162,6 +218,10 @@ def test_overlap_passes_right_answers():
         (overlap_fraction, "a fraction"),
         (overlap_merged_unsorted, "without sorting it by start first"),
         (overlap_same_index, "expected"),
+        (overlap_of_spans, "each list's span"),
+        (overlap_min_length, "smaller of the two lists"),
+        (overlap_forgetting_nested, "nested inside the one before"),
+        (overlap_on_a_grid, "Sampling time at points"),
     ],
 )
 def test_overlap_catches_planted_bugs(answer, message):
@@ -172,20 +232,31 @@ def test_overlap_catches_planted_bugs(answer, message):
 # ---- 3. loss scale -------------------------------------------------------------------------------
 
 
+def loss_scale(batches, rank):
+    return len(batches) * batches[rank] / sum(batches)
+
+
 def test_loss_scale_passes_the_right_answer():
-    assert ch12.check_loss_scale(lambda batches, rank: batches[rank] / sum(batches)).status == (
-        "passed"
-    )
+    assert ch12.check_loss_scale(loss_scale).status == "passed"
+
+
+def test_loss_scale_accepts_float32_and_numpy_numbers():
+    numpy = pytest.importorskip("numpy")
+    as_tensor = ch12.check_loss_scale(lambda b, r: torch.tensor(loss_scale(b, r)))
+    assert as_tensor.status == "passed", as_tensor.message  # float32: 1e-7 off
+    assert ch12.check_loss_scale(lambda b, r: numpy.float32(loss_scale(b, r))).status == "passed"
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (lambda batches, rank: 1 / len(batches), "plain averaging"),
+        (lambda batches, rank: 1.0, "plain DDP"),
+        (lambda batches, rank: 1 / len(batches), "a second time"),
         (lambda batches, rank: 1 / batches[rank], "weight of a whole batch"),
-        (lambda batches, rank: batches[rank] / sum(batches) * len(batches), "averaged"),
-        (lambda batches, rank: 1.0, "not the union batch"),
-        (lambda batches, rank: 1 / sum(batches), "factor for a SUMMED loss"),
+        (lambda batches, rank: batches[rank] / sum(batches), "gradients are SUMMED"),
+        (lambda batches, rank: 2 * loss_scale(batches, rank), "not the union batch"),
+        (lambda batches, rank: 1 / sum(batches), "suits a SUMMED loss"),
+        (lambda batches, rank: [loss_scale(batches, rank)] * 2, "return one number"),
     ],
 )
 def test_loss_scale_catches_planted_bugs(answer, message):
@@ -208,12 +279,13 @@ def split_by_random_split(speeds, batch):
 
 
 def loss_scale_via_the_loop(batches, rank):
-    """The loop's weighted loss over the plain mean loss, on a throwaway model."""
+    """The loop's weighted loss over the plain mean loss, on a throwaway model, times the world
+    size that the average divides by."""
     model = torch.nn.Linear(2, 3)
     x, y = torch.randn(batches[rank], 2), torch.randint(0, 3, (batches[rank],))
     state = SimpleNamespace(model=model, batch=SimpleNamespace(global_size=sum(batches)))
     weighted = ForwardBackward().loss(state, Batch(x, y))
-    return (weighted / F.cross_entropy(model(x), y)).item()
+    return len(batches) * (weighted / F.cross_entropy(model(x), y)).item()
 
 
 DELEGATING_ANSWERS = {
@@ -226,7 +298,7 @@ DELEGATING_ANSWERS = {
 def test_the_delegating_answers_are_right_with_the_library_on():
     """Each would pass if the library were not switched off: the rejection is for delegating."""
     assert pr.proportional_batches([3.0, 1.0], 8) == [6, 2]
-    assert math.isclose(loss_scale_via_the_loop([5, 15], 0), 0.25, rel_tol=1e-5)
+    assert math.isclose(loss_scale_via_the_loop([5, 15], 0), 0.5, rel_tol=1e-5)
     assert DELEGATING_ANSWERS["overlap"]([(0, 4), (1, 2)], [(3, 6)]) == 1.0
 
 

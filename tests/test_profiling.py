@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import functools
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -202,6 +203,22 @@ def test_analyse_trace_on_a_hand_made_trace():
     assert p.other_s == pytest.approx(5e-6)  # 90..95
     assert p.overlap == pytest.approx(18 / 40)
     assert sum(p.breakdown(per_step=False).values()) == pytest.approx(p.wall_s)
+    spans = p.step_spans(0)  # µs since the step began, for drawing
+    assert spans == {
+        "compute": [(0.0, 50.0), (52.0, 70.0), (95.0, 100.0)],
+        "backward": [(30.0, 50.0), (52.0, 70.0)],
+        "all-reduce": [(50.0, 90.0)],
+        "hidden": [(52.0, 70.0)],
+    }
+
+
+def test_profiler_banners_are_dropped_and_other_stderr_kept(capfd):
+    from dmlbook.advanced.speedups.profiling import _without_profiler_banners
+
+    with _without_profiler_banners():
+        os.write(2, b"USDT:2026 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+    assert capfd.readouterr().err == "a real warning\n"
 
 
 # ---- 2. real traces --------------------------------------------------------------------------

@@ -28,12 +28,15 @@ def bars(
     log: bool = False,
     ax: plt.Axes | None = None,
     annotate: str = "{:.3g}",
+    colors: dict[str, str] | None = None,
 ) -> plt.Axes:
-    """One labelled bar per entry of ``values``, each annotated with its number."""
+    """One labelled bar per entry of ``values``, each annotated with its number. ``colors`` maps
+    a bar's name to its colour (default: C0, C1, ... in order)."""
     ax = ax or plt.subplots(figsize=(6, 3.2))[1]
     names = list(values)
     heights = [values[n] for n in names]
-    drawn = ax.bar(names, heights, color=[f"C{i}" for i in range(len(names))])
+    colours = [(colors or {}).get(n, f"C{i}") for i, n in enumerate(names)]
+    drawn = ax.bar(names, heights, color=colours)
     ax.bar_label(drawn, labels=[annotate.format(h) for h in heights], fontsize=8)
     if log:
         ax.set_yscale("log")
@@ -49,17 +52,19 @@ def stacked_bars(
     title: str = "",
     ax: plt.Axes | None = None,
     limit: tuple[float, str] | None = None,
+    colors: dict[str, str] | None = None,
 ) -> plt.Axes:
     """One bar per entry of ``parts`` (label -> {part: value}), its parts stacked in the order of
     the first entry's parts (the legend), the total annotated on top. ``limit`` = (value, label)
-    draws a dashed line, such as a device's memory."""
+    draws a dashed line, such as a device's memory. ``colors`` maps a part to its colour (default:
+    C0, C1, ... in order), so that several plots can give one part one colour."""
     ax = ax or plt.subplots(figsize=(7, 3.4))[1]
     names = list(parts)
     order = list(dict.fromkeys(part for shares in parts.values() for part in shares))
     bottom = [0.0] * len(names)
     for i, part in enumerate(order):
         heights = [parts[n].get(part, 0.0) for n in names]
-        ax.bar(names, heights, bottom=bottom, label=part, color=f"C{i}")
+        ax.bar(names, heights, bottom=bottom, label=part, color=(colors or {}).get(part, f"C{i}"))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.3g}", (x, total), ha="center", va="bottom", fontsize=8)
@@ -101,13 +106,15 @@ def spans(
     title: str = "",
     unit: float = 1.0,
     ax: plt.Axes | None = None,
+    colors: dict[str, str] | None = None,
 ) -> plt.Axes:
     """Interval lists as rows of bars (chapter 12's profiler spans): ``rows[name]`` is a list of
-    ``(start, end)``, drawn divided by ``unit``; ``shade`` intervals are greyed behind them."""
+    ``(start, end)``, drawn divided by ``unit``; ``shade`` intervals are greyed behind them.
+    ``colors`` maps a row's name to its colour (default: C0, C1, ... in order)."""
     ax = ax or plt.subplots(figsize=(9, 0.45 * len(rows) + 1))[1]
-    for y, intervals in enumerate(rows.values()):
+    for y, (name, intervals) in enumerate(rows.items()):
         ax.broken_barh([(s / unit, (e - s) / unit) for s, e in intervals], (y - 0.4, 0.8),
-                       color=f"C{y}")  # fmt: skip
+                       color=(colors or {}).get(name, f"C{y}"))  # fmt: skip
     for s, e in shade:
         ax.axvspan(s / unit, e / unit, color="0.9", zorder=-1)
     ax.set_yticks(range(len(rows)), list(rows), fontsize=8)

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,8 +74,8 @@ class StepProfile:
         return self.hidden_communication_s / self.communication_s if self.communication_s else 0.0
 
     def step_spans(self, index: int = 0) -> dict[str, list[Interval]]:
-        """Step ``index``'s backward, all-reduce and hidden (both at once) intervals, in µs
-        since that step began: one step of the timeline, for drawing."""
+        """Step ``index``'s compute, backward, all-reduce and hidden (all-reduce and backward at
+        once) intervals, in µs since that step began: one step of the timeline, for drawing."""
         step = [self.steps_at[index]]
         t0 = step[0][0]
 
@@ -80,6 +83,7 @@ class StepProfile:
             return [(s - t0, e - t0) for s, e in intersection(spans, step)]
 
         return {
+            "compute": clip(self.compute),
             "backward": clip(self.backward),
             "all-reduce": clip(self.communication),
             "hidden": clip(intersection(self.backward, self.communication)),
@@ -216,5 +220,27 @@ def profile_data_parallel(
         step()
     path = Path(trace_dir) / f"{wrapper}-rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    trace_steps(step, steps, path, group=group)
+    with _without_profiler_banners():
+        trace_steps(step, steps, path, group=group)
     return analyse_trace(path)
+
+
+@contextlib.contextmanager
+def _without_profiler_banners():
+    """Drop the ``USDT: ... profiler_start`` / ``profiler_stop`` lines that torch's profiler
+    library writes to stderr at each start and stop (no log level turns them off); any other
+    line written to stderr meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [ln for ln in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not ln.startswith("USDT:")]  # fmt: skip
+            sys.stderr.write("".join(kept))
