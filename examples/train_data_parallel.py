@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
 from dmlbook import models
+from dmlbook.data_parallel.job import join_job
 from dmlbook.datasets import load_digits
 from dmlbook.launch import device, exit_now, free_port, run
 
@@ -115,7 +116,12 @@ def main() -> None:
     if args.local_nodes:
         torchrun_on_this_machine(args.local_nodes, args.nproc_per_node, args.out)
         return
+    under_torchrun = "RANK" in os.environ
+    if under_torchrun:
+        join_job()  # then run() calls train here, in this process, and gathers the results
     results = run(train, args.world_size)
+    if under_torchrun:
+        dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the results
         print(f"test accuracy {results[0]['accuracy']:.3f} on {len(results)} ranks")
         if args.out:

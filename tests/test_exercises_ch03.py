@@ -1,5 +1,6 @@
 """Chapter 3's exercise checkers: right answers pass; planted bugs (a rank's own shard only, the
-mean of per-rank accuracies, a save straight into the final path, no fsync) are caught."""
+mean of per-rank accuracies, two all-reduces where one will do, a save straight into the final
+path, no fsync, removing the old checkpoint before the rename) are caught."""
 
 import os
 
@@ -34,6 +35,15 @@ def mean_of_accuracies(model, x, y):
     return t.item() / dist.get_world_size()
 
 
+def two_all_reduces(model, x, y):
+    with torch.no_grad():
+        correct = torch.tensor([(model(x).argmax(1) == y).sum().item()])
+    total = torch.tensor([len(y)])
+    dist.all_reduce(correct)
+    dist.all_reduce(total)
+    return correct.item() / total.item()
+
+
 def test_sharded_accuracy_passes_the_right_answer():
     assert ch03.check_sharded_accuracy(sharded_accuracy).status == "passed"
 
@@ -43,6 +53,7 @@ def test_sharded_accuracy_passes_the_right_answer():
     [
         (local_accuracy_only, "this rank's own shard only"),
         (mean_of_accuracies, "mean of the ranks' accuracies"),
+        (two_all_reduces, "called 2 collectives"),
     ],
 )
 def test_sharded_accuracy_catches_planted_bugs(answer, message):
@@ -68,6 +79,17 @@ def save_without_fsync(obj, path):
     os.replace(f"{path}.tmp", path)
 
 
+def remove_then_rename(obj, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        os.remove(path)
+    os.rename(tmp, path)
+
+
 def test_atomic_save_passes_the_right_answer():
     assert ch03.check_atomic_save(atomic_save).status == "passed"
 
@@ -77,6 +99,7 @@ def test_atomic_save_passes_the_right_answer():
     [
         (save_in_place, "no rename into place"),
         (save_without_fsync, "os.fsync the temporary file before renaming"),
+        (remove_then_rename, "a moment with no file at checkpoint.pt .right after remove"),
     ],
 )
 def test_atomic_save_catches_planted_bugs(answer, message):

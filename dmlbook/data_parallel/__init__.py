@@ -5,6 +5,8 @@
 * ``loop``: :func:`train_loop`, the one data-parallel training loop, with callbacks that the
   checkpointing, elastic and heterogeneous chapters plug into; :func:`train`, chapter 1's SGD on
   it; the learning-rate rules for a larger global batch (chapters 1 and 3)
+* ``stages``: one data-parallel step written out as its six stages, each timed (chapter 3)
+* ``job``: how a process started by ``torchrun`` learns its rank and joins the group (chapter 3)
 * ``ddp``: :class:`BucketedDDP` (torch's DDP from scratch) and :class:`NaiveDDP` (chapter 3)
 * ``ps``: a sharded parameter server, synchronous, bounded-staleness or asynchronous (chapter 2)
 * ``checkpoint``: atomic, resumable checkpoints, and DCP sharded ones (chapter 3)

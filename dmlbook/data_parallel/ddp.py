@@ -283,16 +283,17 @@ class BucketedDDP(_DataParallel):
             GradBucket(b, [self._params[i] for i in members], is_last=b == last)
             for b, members in enumerate(self._members)
         ]
-        self._comm_state, self._comm_hook = None, None  # see register_comm_hook
+        self._comm_state, self._comm_hook = None, self.allreduce_bucket  # register_comm_hook
+        self._custom_hook = False
         self._futures: list[torch.futures.Future] = []  # one per launched bucket
         self._start_step()
 
     def register_comm_hook(self, state, hook: Callable) -> None:
         """Communicate each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's
         contract): the future's value is the bucket's flat gradient averaged over the ranks."""
-        if self._comm_hook is not None:
+        if self._custom_hook:
             raise RuntimeError("register_comm_hook can be called only once")
-        self._comm_state, self._comm_hook = state, hook
+        self._comm_state, self._comm_hook, self._custom_hook = state, hook, True
 
     def _start_step(self) -> None:
         super()._start_step()
@@ -318,15 +319,19 @@ class BucketedDDP(_DataParallel):
             self._next_bucket += 1
 
     def launch_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Copy the bucket's gradients, divided by the world size, into its flat buffer and
-        start summing the buffer over the ranks; the future's value is the averaged buffer."""
+        """Copy the bucket's gradients into its flat buffer and hand it to the communication
+        hook, which starts averaging it over the ranks and returns a future at once."""
         self._count(bucket)
-        if self._comm_hook is not None:
-            return self._communicate_with_hook(bucket)
-        for flat, p in zip(bucket.gradients(), bucket.parameters(), strict=True):
-            torch.div(_grad_or_zeros(p), self.world_size, out=flat)  # into the (n,) buffer
-        work = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True)  # communication
-        return work.get_future().then(lambda done: done.value()[0])  # the background does it
+        grads = [_grad_or_zeros(p) for p in bucket.parameters()]
+        torch._foreach_copy_(bucket.gradients(), grads)  # flatten into the (n,) buffer
+        return self._comm_hook(self._comm_state, bucket)  # communication, in the background
+
+    def allreduce_bucket(self, state, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The default communication hook: divide the buffer by the world size and start an
+        all-reduce (sum) of it; the future's value is the averaged buffer."""
+        buffer = bucket.buffer().div_(self.world_size)
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)  # returns at once
+        return work.get_future().then(lambda done: done.value()[0])
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket and copy the averaged gradients back into ``.grad``.
@@ -345,11 +350,6 @@ class BucketedDDP(_DataParallel):
     def _count(self, bucket: GradBucket) -> None:
         self.stats.collectives += 1
         self.stats.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-
-    def _communicate_with_hook(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        grads = [_grad_or_zeros(p) for p in bucket.parameters()]
-        torch._foreach_copy_(bucket.gradients(), grads)  # flatten into the (n,) buffer
-        return self._comm_hook(self._comm_state, bucket)  # communication
 
     def _launch_the_rest(self) -> list[int] | None:
         """Every bucket must have started in backward. With ``find_unused_parameters``, launch

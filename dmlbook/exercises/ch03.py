@@ -3,18 +3,22 @@
 1. ``check_sharded_accuracy``: write ``sharded_accuracy(model, x, y)``, the evaluation step of a
    data-parallel pipeline: each rank scores its own shard of the test set, and one all-reduce of
    (correct, count) makes the accuracy exact over the whole set, on every rank, even when the
-   shards differ in size (averaging the ranks' accuracies is then wrong).
+   shards differ in size (averaging the ranks' accuracies is then wrong). The checker counts the
+   collectives each rank calls: one is enough.
 2. ``check_atomic_save``: write ``atomic_save(obj, path)``, the checkpointing rule that a crash
    mid-save never destroys the last good checkpoint: write a temporary file in the same directory,
-   flush and fsync it, then rename it over ``path`` (:mod:`dmlbook.data_parallel.checkpoint` does
-   this).
+   flush and fsync it (so that a power cut cannot lose its data), then rename it over ``path`` in
+   one step (:mod:`dmlbook.data_parallel.checkpoint` does this). The checker sees the save crash
+   midway, and watches that a file is at ``path`` at every moment of a save over an old one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,10 +50,65 @@ def _shard(n: int, rank: int, world: int) -> slice:
     return slice(start, start + base + (rank < extra))
 
 
-def _sharded_accuracy_on_rank(fn: Callable, n: int) -> float:
+# Every collective a rank can call: torch's, and chapter 2's (dmlbook.comm.collectives).
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "gather",
+    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+@contextmanager
+def _counting_collectives(answer: Callable) -> Iterator[list[str]]:
+    """Record, in the yielded list, each collective the block calls (a collective that calls
+    others counts once), wherever ``answer`` finds it: ``dist.``, chapter 2's ``collectives.``,
+    or a name imported into its globals."""
+    from dmlbook.comm import collectives
+
+    calls: list[str] = []
+    depth = [0]
+
+    def counting(name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                calls.append(name)
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    owners = [dist, collectives]
+    originals = {
+        (owner, name): getattr(owner, name)
+        for owner in owners
+        for name in _COLLECTIVES
+        if callable(getattr(owner, name, None))
+    }
+    wrappers = {id(f): counting(name, f) for (_, name), f in originals.items()}
+    spaces = getattr(answer, "__globals__", {})
+    bound = {k: v for k, v in spaces.items() if id(v) in wrappers}
+    try:
+        for (owner, name), f in originals.items():
+            setattr(owner, name, wrappers[id(f)])
+        spaces.update({k: wrappers[id(v)] for k, v in bound.items()})
+        yield calls
+    finally:
+        for (owner, name), f in originals.items():
+            setattr(owner, name, f)
+        spaces.update(bound)
+
+
+def _sharded_accuracy_on_rank(fn: Callable, n: int) -> tuple[float, list[str]]:
     x, y = _eval_data(n)
     mine = _shard(n, dist.get_rank(), dist.get_world_size())
-    return float(fn(_eval_model(), x[mine], y[mine]))
+    with _counting_collectives(fn) as calls:
+        value = float(fn(_eval_model(), x[mine], y[mine]))
+    return value, calls
 
 
 @checker("sharded_accuracy", writes=("dmlbook.data_parallel.loop.sharded_accuracy",))
@@ -64,7 +123,14 @@ def check_sharded_accuracy(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor],
         call = f"your function on {world} ranks, {n} test samples"
         with learner_code(call):
             got = run_answer(_sharded_accuracy_on_rank, world, fn, n, timeout=30)
-        for rank, value in enumerate(got):
+        for rank, (value, calls) in enumerate(got):
+            if abs(value - expected) < 1e-6 and len(calls) > 1:
+                raise ExerciseFailed(
+                    f"{call}: the accuracy is right, but rank {rank} called {len(calls)} "
+                    f"collectives ({', '.join(calls)}) where one is enough: each collective "
+                    "pays a whole round of latency. Put (correct, total) in one tensor and "
+                    "all-reduce it once"
+                )
             if abs(value - expected) < 1e-6:
                 continue
             shards = [_shard(n, r, world) for r in range(world)]
@@ -94,28 +160,31 @@ class _CrashMidway:
         raise RuntimeError("simulated crash in the middle of the save")
 
 
-def _calls_in_order(fn: Callable, obj, path: Path) -> list[str]:
-    """Call ``fn(obj, path)`` and return the fsync / rename calls it made, in order."""
-    calls: list[str] = []
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+def _calls_in_order(fn: Callable, obj, path: Path) -> list[tuple[str, bool]]:
+    """Call ``fn(obj, path)`` and return the file system calls it made (fsync, rename, remove),
+    in order, each with whether a file was at ``path`` right after it."""
+    calls: list[tuple[str, bool]] = []
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "remove", "unlink")}
 
-    def fsync(fd):
-        calls.append("fsync")
-        return real_fsync(fd)
+    def watched(name: str) -> Callable:
+        def call(*args, **kwargs):
+            result = real[name](*args, **kwargs)
+            if name in ("replace", "rename"):
+                what = f"rename {Path(args[0]).parent == Path(args[1]).parent}"
+            else:
+                what = name
+            calls.append((what, path.exists()))
+            return result
 
-    def replace(src, dst, *args, **kwargs):
-        calls.append(f"rename {Path(src).parent == Path(dst).parent}")
-        return real_replace(src, dst, *args, **kwargs)
+        return call
 
-    def rename(src, dst, *args, **kwargs):
-        calls.append(f"rename {Path(src).parent == Path(dst).parent}")
-        return real_rename(src, dst, *args, **kwargs)
-
-    os.fsync, os.replace, os.rename = fsync, replace, rename
+    for name in real:
+        setattr(os, name, watched(name))
     try:
         fn(obj, path)
     finally:
-        os.fsync, os.replace, os.rename = real_fsync, real_replace, real_rename
+        for name, f in real.items():
+            setattr(os, name, f)
     return calls
 
 
@@ -128,7 +197,7 @@ def check_atomic_save(fn: Callable[[object, Path], None]) -> str:
         path = Path(d) / "checkpoint.pt"
         first = {"step": 1, "weights": torch.arange(1000.0)}
         with learner_code("your function saving a checkpoint"):
-            calls = _calls_in_order(fn, first, path)
+            calls = [what for what, _ in _calls_in_order(fn, first, path)]
         if not path.exists():
             raise ExerciseFailed(f"after your function, nothing was at {path.name}")
         loaded = torch.load(path, weights_only=True)
@@ -141,10 +210,24 @@ def check_atomic_save(fn: Callable[[object, Path], None]) -> str:
             )
         if "fsync" not in calls or calls.index("fsync") > calls.index("rename True"):
             raise ExerciseFailed(
-                "flush and os.fsync the temporary file before renaming it: otherwise a power cut "
-                "can leave the new name pointing at data still in the page cache"
+                "flush and os.fsync the temporary file before renaming it: the operating system "
+                "keeps written data in memory (the page cache) for a while, so after a power cut "
+                "the new name could point at a file whose data never reached the disk"
             )
-        crashing = {"step": 2, "weights": torch.arange(100_000.0), "extra": _CrashMidway()}
+        second = {"step": 2, "weights": torch.arange(1000.0) + 1}
+        with learner_code("your function saving over the previous checkpoint"):
+            watched = _calls_in_order(fn, second, path)
+        gaps = [what for what, there in watched if not there]
+        if gaps:
+            raise ExerciseFailed(
+                f"while your function saved over the previous checkpoint, there was a moment "
+                f"with no file at {path.name} (right after {gaps[0].split()[0]}): a crash or a "
+                "power cut there leaves no checkpoint at all. os.replace(tmp, path) swaps the "
+                "new file in for the old one in one step; do not remove or move the old one first"
+            )
+        if torch.load(path, weights_only=True)["step"] != 2:
+            raise ExerciseFailed("after a second save, the file at path is not the second object")
+        crashing = {"step": 3, "weights": torch.arange(100_000.0), "extra": _CrashMidway()}
         try:
             with learner_code("your function saving a checkpoint that crashes midway"):
                 fn(crashing, path)
@@ -159,6 +242,8 @@ def check_atomic_save(fn: Callable[[object, Path], None]) -> str:
                 f"a save that crashed midway destroyed the previous checkpoint: loading it now "
                 f"raises {type(error).__name__}. Never write into the final path directly"
             ) from None
-        if after["step"] != 1:
-            raise ExerciseFailed("after a crashed save, the file should still be the first save")
+        if after["step"] != 2:
+            raise ExerciseFailed(
+                "after a crashed save, the file should still be the last good save"
+            )
     return "fsync then rename; a crash mid-save left the previous checkpoint loadable"
