@@ -1,8 +1,10 @@
 """Chapter 6's exercise checkers: right answers pass; planted bugs (GPipe's order, a warm-up one
-too long or too short, no min() for M < P, a B before its F; micro-batch losses not scaled by
-1/M, gradients zeroed between micro-batches, the whole batch in one forward, the summed loss
-returned) are caught with a message that says so; an answer that calls the library is told to
-write the mechanism (``DELEGATING_ANSWERS``, run by ``tests/test_exercise_back_doors.py``)."""
+too long or too short, no min() for M < P, a B before its F, micro-batches out of turn; micro-batch
+losses not scaled by 1/M, gradients zeroed between micro-batches, the whole batch in one forward,
+one backward of the summed losses, the summed, last or a tensor loss returned) are caught with a
+message that says so, and no order hint prints the expected order; an answer that calls the
+library is told to write the mechanism (``DELEGATING_ANSWERS``, run by
+``tests/test_exercise_back_doors.py``)."""
 
 import pytest
 
@@ -53,6 +55,38 @@ def order_unpaired(stage, stages, microbatches):
     return [("F", 0), ("B", 0)]
 
 
+def order_out_of_turn(stage, stages, microbatches):
+    ops = order(stage, stages, microbatches)
+    return [("F", 1), ("F", 0)] + ops[2:] if ops[:2] == [("F", 0), ("F", 1)] else ops
+
+
+def order_stops_alternating(stage, stages, microbatches):
+    ops = order(stage, stages, microbatches)
+    if stage == 0 and stages == 2 and microbatches == 4:  # F0 F1 B0 F2 B1 F3 B2 B3
+        return ops[:3] + [("F", 2), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    return ops
+
+
+def _said_orders(message, stages, microbatches):
+    """Every full 1F1B order of that pipeline that a message prints."""
+    want = [" ".join(f"{o}{m}" for o, m in order(s, stages, microbatches)) for s in range(stages)]
+    return [w for w in want if w in message]
+
+
+@pytest.mark.parametrize(
+    "answer", [order_gpipe, order_warmup_too_long, order_no_warmup, order_without_min,
+               order_backward_first, order_out_of_turn, order_stops_alternating]
+)  # fmt: skip
+def test_one_f_one_b_hints_never_print_the_expected_order(answer):
+    with pytest.raises(ExerciseFailed) as caught:
+        ch06.check_one_f_one_b_order(answer)
+    message = str(caught.value)
+    for stages, microbatches in [(2, 4), (3, 6), (4, 8), (4, 2), (3, 1), (1, 3)]:
+        leaked = [w for w in _said_orders(message, stages, microbatches) if w.count(" ") > 2]
+        assert not leaked, message
+    assert "min(" not in message, message
+
+
 def test_one_f_one_b_order_passes_the_right_answer():
     assert ch06.check_one_f_one_b_order(order).status == "passed"
 
@@ -61,11 +95,19 @@ def test_one_f_one_b_order_passes_the_right_answer():
     "answer, message",
     [
         (order_gpipe, "that is GPipe's order"),
-        (order_warmup_too_long, "holds at most P - s = 2: warm up with P - s - 1 forwards, not 2"),
-        (order_no_warmup, r"should run min\(P - s - 1, M\) = 1 warm-up forwards"),
-        (order_without_min, r"the warm-up is cut short: min\(P - s - 1, M\) = 2 forwards"),
-        (order_backward_first, "B must come after its F"),
+        (
+            order_warmup_too_long,
+            "holds 3 micro-batches' activations at once in your order, more than the 2 it needs",
+        ),
+        (order_no_warmup, "runs 0 forwards before its first backward"),
+        (
+            order_without_min,
+            "names micro-batch 2, but there are only 2 .* the warm-up runs out of micro-batches",
+        ),
+        (order_backward_first, "your B0 comes before F0"),
         (order_unpaired, "needs exactly one F and one B"),
+        (order_out_of_turn, "out of turn"),
+        (order_stops_alternating, "stops alternating one F and one B at op"),
         (lambda s, p, m: 42, r"return a list of \(op, microbatch\) pairs"),
     ],
 )
@@ -131,6 +173,30 @@ def grads_no_backward(model, loss_fn, inputs, targets, microbatches):
     return sum(loss_fn(model(x), y).item() for x, y in _pieces(inputs, targets, microbatches))
 
 
+def grads_summed_then_one_backward(model, loss_fn, inputs, targets, microbatches):
+    losses = [loss_fn(model(x), y) * len(x) / len(inputs)
+              for x, y in _pieces(inputs, targets, microbatches)]  # fmt: skip
+    total = sum(losses)
+    total.backward()
+    return total.item()
+
+
+def grads_tensor_returned(model, loss_fn, inputs, targets, microbatches):
+    total = 0.0
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss = loss_fn(model(x), y) * len(x) / len(inputs)
+        loss.backward()
+        total = total + loss
+    return total
+
+
+def grads_last_loss_returned(model, loss_fn, inputs, targets, microbatches):
+    for x, y in _pieces(inputs, targets, microbatches):
+        loss = loss_fn(model(x), y)
+        (loss * len(x) / len(inputs)).backward()
+    return loss.item()
+
+
 def test_microbatch_gradients_passes_the_right_answer():
     assert ch06.check_microbatch_gradients(microbatch_grads).status == "passed"
 
@@ -144,6 +210,12 @@ def test_microbatch_gradients_passes_the_right_answer():
         (grads_whole_batch, "a forward saw all 12 rows at once"),
         (grads_mean_of_losses, "the mean of the micro-batches' losses"),
         (grads_no_backward, "some parameters have no .grad"),
+        (
+            grads_summed_then_one_backward,
+            "order F0 F1 F2 F3 B.*backward must run before the next micro-batch's forward",
+        ),
+        (grads_tensor_returned, "as a Python float"),
+        (grads_last_loss_returned, "the last micro-batch's mean loss alone"),
         (lambda *args: None, "expected 4 forwards"),
     ],
 )

@@ -418,6 +418,23 @@ def test_held_activations_draws_each_stage_up_to_its_peak():
     assert "stage 0: 1F1B: at most 1" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
+def test_held_activations_draws_true_levels_and_schedule_and_held_shares_the_time_axis():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dmlbook.viz.pipeline import schedule_and_held
+
+    schedule = pp.one_f_one_b_schedule(3, 6)
+    slots = pp.packed_timelines(
+        [[pp.OpRecord(a.op, a.microbatch, 0, 1) for a in pp.stage_actions(schedule, s)]
+         for s in range(3)]
+    )  # fmt: skip
+    top, bottom = schedule_and_held(slots, "1F1B", caps=[3, 2, 1])
+    lines = [line for line in bottom.get_lines() if line.get_linestyle() == "-"]
+    assert [max(line.get_ydata()) for line in lines] == [3, 2, 1]  # whole micro-batches, no offset
+    assert top.get_xlim() == bottom.get_xlim()
+
+
 def test_the_executor_ops_are_public_and_run_one_stage():
     """One stage with no group: run_schedule's F and B leave the gradients of the mean loss."""
     model = mlp(seed=0, in_features=4, hidden=(6,), out_features=2).double()

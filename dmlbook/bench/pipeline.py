@@ -97,7 +97,10 @@ def schedule_steps(make_model, loss_fn, batch, cases, steps=4, measure_memory=Fa
     run ``steps`` training steps of each ``(schedule, microbatches)`` in ``cases``. Returns, per
     case, each step's :class:`StepResult`, with ``forward_waits``: the seconds each forward's thread
     spent ready to run but without a CPU (Linux's scheduler statistics), to tell the stage's work
-    from other work on the machine."""
+    from other work on the machine, and ``op_cpu``: per op of ``timeline``, in the same order, the
+    seconds of CPU time its thread used (``time.thread_time``, which stops while the thread sleeps
+    in a receive or waits for a core). The ranks compute on one thread each, so that is the op's
+    own work."""
     from dmlbook.cpu_wait import thread_cpu_wait_s as wait_s
     from dmlbook.model_parallel import pipeline as pp
 
@@ -108,6 +111,16 @@ def schedule_steps(make_model, loss_fn, batch, cases, steps=4, measure_memory=Fa
     waited = []
     module.register_forward_pre_hook(lambda m, args: waited.append(wait_s()))
     module.register_forward_hook(lambda m, args, y: waited.append(wait_s() - waited.pop()))
+    cpu = []
+    for name in ("forward", "backward"):  # each op's CPU time, beside its wall-clock record
+        op = getattr(stage, name)
+
+        def timed(mb, op=op):
+            start = time.thread_time()
+            op(mb)
+            cpu.append(time.thread_time() - start)
+
+        setattr(stage, name, timed)  # run_schedule calls self.forward / self.backward
     out = {}
     for schedule, microbatches in cases:
         out[schedule, microbatches] = []
@@ -117,6 +130,7 @@ def schedule_steps(make_model, loss_fn, batch, cases, steps=4, measure_memory=Fa
                 *batch, loss_fn, microbatches, schedule, measure_memory=measure_memory
             )
             result.forward_waits, waited[:] = list(waited), []
+            result.op_cpu, cpu[:] = list(cpu), []
             out[schedule, microbatches].append(result)
     return out
 
@@ -135,6 +149,23 @@ def median_step(results: list[dict], case) -> list:
     from dmlbook.notebook import median_by
 
     return median_by(steps_of(results, case), key=pp.measured_bubble)
+
+
+def on_cpu_clock(results: list[dict], case, timelines: list) -> list[list]:
+    """The ops of the step of ``case`` whose ``timelines`` these are (as :func:`median_step`
+    returns them), each lasting its CPU time instead of its wall-clock time (``op_cpu`` of
+    :func:`schedule_steps`), started at 0: what :func:`pp.packed_timelines` replays as the step
+    that the stages' own work alone would take."""
+    from dmlbook.model_parallel import pipeline as pp
+
+    for by_rank in zip(*(r[case] for r in results), strict=True):
+        if by_rank[0].timeline is timelines[0]:
+            return [
+                [pp.OpRecord(r.op, r.microbatch, 0.0, cpu) for r, cpu in
+                 zip(result.timeline, result.op_cpu, strict=True)]
+                for result in by_rank
+            ]  # fmt: skip
+    raise ValueError(f"these timelines are not a step of {case}")
 
 
 def least_idle(results: list[dict], case) -> float:

@@ -1,9 +1,9 @@
 """Checkers for chapter 6's exercises ("Pipeline input and layer split").
 
 1. ``check_one_f_one_b_order``: write ``order(stage, stages, microbatches) -> [(op, microbatch),
-   ...]``, the order in which stage ``stage`` of a 1F1B pipeline runs its ops: ``min(P - s - 1,
-   M)`` warm-up forwards, then one forward and one backward in turn, then the backwards left
-   (:func:`dmlbook.model_parallel.pipeline.one_f_one_b_schedule` builds it for every stage).
+   ...]``, the order in which stage ``stage`` of a 1F1B pipeline runs its ops
+   (:func:`dmlbook.model_parallel.pipeline.one_f_one_b_schedule` builds it for every stage). The
+   hints name the mistake in the learner's own order and never print the expected one.
 2. ``check_microbatch_gradients``: write ``grads(model, loss_fn, inputs, targets, microbatches)
    -> float``: run the batch through ``model`` as M micro-batches, one forward and one backward
    each, so that the gradients accumulated in ``.grad`` are those of the whole batch's mean loss,
@@ -78,45 +78,81 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], Sequence[tuple[str, in
     return f"the 1F1B order of every stage, for {len(_ORDER_CASES)} pipeline shapes"
 
 
+def _stages_after(stage: int, stages: int) -> str:
+    after = stages - stage - 1
+    return f"{after} stage{'s' if after != 1 else ''} after this one"
+
+
 def _diagnose(got, want, stage: int, stages: int, microbatches: int) -> str:
-    """Say what is wrong with a 1F1B order, most telling mistake first."""
-    shown = f"expected {' '.join(f'{o}{m}' for o, m in want)}, got "
-    shown += " ".join(f"{o}{m}" for o, m in got)
-    every = sorted((op, mb) for op in "FB" for mb in range(microbatches))
-    if microbatches < stages - stage - 1 and any(mb >= microbatches for _, mb in got):
-        return (
-            f"with fewer micro-batches than the pipe is deep, the warm-up is cut short: "
-            f"min(P - s - 1, M) = {microbatches} forwards, not P - s - 1 ({shown})"
+    """Say what is wrong with a 1F1B order, most telling mistake first. The hint names the cause
+    and points at the learner's own ops; it never prints the expected order."""
+    yours = " ".join(f"{o}{m}" for o, m in got)
+    if any(mb < 0 or mb >= microbatches for _, mb in got):
+        ghost = next(mb for _, mb in got if mb < 0 or mb >= microbatches)
+        why = (
+            ". Where the stages after this one outnumber the micro-batches, the warm-up runs out "
+            "of micro-batches before it runs out of stages"
+            if microbatches < stages - stage - 1
+            else ""
         )
-    if sorted(got) != every:
         return (
-            f"each of micro-batches 0..{microbatches - 1} needs exactly one F and one B ({shown})"
+            f"your order ({yours}) names micro-batch {ghost}, but there are only "
+            f"{microbatches} (0..{microbatches - 1}){why}"
+        )
+    counts = {(op, mb): got.count((op, mb)) for op in "FB" for mb in range(microbatches)}
+    wrong = [f"{op}{mb} x{n}" for (op, mb), n in counts.items() if n != 1]
+    if wrong or len(got) != 2 * microbatches:
+        return (
+            f"each of micro-batches 0..{microbatches - 1} needs exactly one F and one B; your "
+            f"order ({yours}) has {', '.join(wrong) or 'extra ops'}"
         )
     forward_at = {mb: i for i, (op, mb) in enumerate(got) if op == "F"}
-    if any(op == "B" and i < forward_at[mb] for i, (op, mb) in enumerate(got)):
-        return f"a micro-batch's B must come after its F ({shown})"
+    early = [mb for i, (op, mb) in enumerate(got) if op == "B" and i < forward_at[mb]]
+    if early:
+        return (
+            f"your B{early[0]} comes before F{early[0]}: a micro-batch's backward needs the "
+            "activations its forward saved"
+        )
+    f_order = [mb for op, mb in got if op == "F"]
+    b_order = [mb for op, mb in got if op == "B"]
+    if f_order != sorted(f_order) or b_order != f_order:
+        return (
+            f"your order ({yours}) runs the micro-batches' forwards or backwards out of turn. "
+            "Every stage must run forwards in the order 0, 1, 2, ... and backwards in the same "
+            "order, or a stage would wait for a message its neighbour sends later"
+        )
     gpipe = [("F", mb) for mb in range(microbatches)] + [("B", mb) for mb in range(microbatches)]
     warmup = min(stages - stage - 1, microbatches)
-    if got == gpipe:
+    got_warmup = next(i for i, (op, _) in enumerate(got) if op == "B") - 1
+    if got == gpipe and got != want:
         return (
             "that is GPipe's order (all forwards, then all backwards), which holds all "
-            f"{microbatches} micro-batches at once. 1F1B warms up with min(P - s - 1, M) = "
-            f"{warmup} forwards and then alternates F and B ({shown})"
+            f"{microbatches} micro-batches' activations at once on every stage. 1F1B runs a "
+            "stage's first backward as soon as its gradient can be back, and from then on "
+            "alternates"
         )
-    got_warmup = next(i for i, (op, _) in enumerate(got) if op == "B") - 1
-    if _peak_live(got) > stages - stage:
+    if got_warmup > warmup:
         return (
-            f"stage {stage} holds {_peak_live(got)} micro-batches' activations at once; 1F1B "
-            f"holds at most P - s = {stages - stage}: warm up with P - s - 1 forwards, not "
-            f"{got_warmup} ({shown})"
+            f"stage {stage} of {stages} holds {_peak_live(got)} micro-batches' activations at "
+            f"once in your order, more than the {min(stages - stage, microbatches)} it needs. "
+            "Its first backward "
+            f"waits for micro-batch 0 to cross the stages after it; your warm-up of "
+            f"{got_warmup} forwards is longer than that wait"
         )
-    if got_warmup != warmup:
+    if got_warmup < warmup:
         return (
-            f"stage {stage} should run min(P - s - 1, M) = {warmup} warm-up forwards (the "
-            f"micro-batches still in the stages below it) before its first F-B pair, not "
-            f"{got_warmup} ({shown})"
+            f"your stage {stage} of {stages} runs {got_warmup} forwards before its first "
+            "backward, but that backward waits for micro-batch 0 to go through the "
+            f"{_stages_after(stage, stages)} and its gradient to come back. With "
+            "so short a warm-up the stage sits idle through that wait where it could have run "
+            "forwards"
         )
-    return f"after the warm-up, alternate one F and one B, then drain the B's left ({shown})"
+    first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    return (
+        f"your warm-up is right, but after it your order ({yours}) stops alternating one F "
+        f"and one B at op {first} ({got[first][0]}{got[first][1]}); alternate until the "
+        "forwards run out, then drain the backwards left"
+    )
 
 
 # --------------------------------------------------------------------------- 2. micro-batches
@@ -156,6 +192,19 @@ def _weighted(make, loss_fn, x, y, rows, weights) -> tuple[list[torch.Tensor], f
     ], total
 
 
+def _record_backward(events: list):
+    """A forward hook that logs ("F", k) for the k-th forward and ("B", k) when backward reaches
+    that forward's output: the order in which the answer interleaves them."""
+
+    def hook(module, args, output):
+        k = sum(op == "F" for op, _ in events)
+        events.append(("F", k))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: events.append(("B", k)))
+
+    return hook
+
+
 def _close(got: list, want: list) -> bool:
     return all(
         a is not None and torch.allclose(a, b, rtol=1e-9, atol=1e-12)
@@ -171,15 +220,17 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
     micro-batch, none of the whole batch), leaves in ``.grad`` the gradients of the whole batch's
     mean loss, and returns that loss, for equal and unequal micro-batches; a wrong answer is
     explained (1/M where micro-batches differ in size, no scaling, gradients zeroed between
-    micro-batches, the mean of the micro-batch losses returned, ...)."""
+    micro-batches, all forwards before one backward of the summed losses, the mean or the last of
+    the micro-batch losses returned, a tensor returned, ...)."""
     for name, make, loss_fn, x, y, microbatches in _gradient_cases():
         reference = make()
         want_loss = loss_fn(reference(x), y)
         want_loss.backward()
         want = [p.grad.clone() for p in reference.parameters()]
 
-        model, rows = make(), []
+        model, rows, events = make(), [], []
         model.register_forward_pre_hook(lambda m, args, rows=rows: rows.append(len(args[0])))
+        model.register_forward_hook(_record_backward(events))
         with learner_code(f"your answer on {name}"):
             got_loss = fn(model, loss_fn, x.clone(), y.clone(), microbatches)
         got = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
@@ -201,6 +252,19 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
                 "loss, and keep the graph (no torch.no_grad, no .detach() before the loss)"
             )
         m = microbatches
+        backward_of = {k: i for i, (op, k) in enumerate(events) if op == "B"}
+        forward_at = [i for i, (op, _) in enumerate(events) if op == "F"]
+        if any(k not in backward_of or (k + 1 < len(forward_at) and backward_of[k] > forward_at[
+            k + 1]) for k in range(len(forward_at))):  # fmt: skip
+            order = " ".join(f"{op}{k}" for op, k in events)
+            raise ExerciseFailed(
+                f"on {name}: your forwards and backwards ran in the order {order} (F: a "
+                "micro-batch's forward, B: the backward reaching its output). A micro-batch's "
+                "backward must run before the next micro-batch's forward: one backward of the "
+                "summed losses keeps every micro-batch's graph, and its activations, alive at "
+                "once, which is the memory that accumulating over micro-batches saves. Call "
+                "backward on each micro-batch's loss as soon as you have it"
+            )
         if not _close(got, want):
             slips = {
                 f"they weight every micro-batch by 1/M, but these micro-batches hold {rows} rows: "
@@ -226,6 +290,11 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
                 f"on {name}: the gradients differ from those of one backward of the whole "
                 f"batch's mean loss{hint}"
             )
+        if isinstance(got_loss, torch.Tensor):
+            raise ExerciseFailed(
+                f"on {name}: return the loss as a Python float (tensor.item()), not a tensor: a "
+                "tensor that required grad keeps its graph and activations alive"
+            )
         try:
             got_loss = float(got_loss)
         except (TypeError, ValueError) as error:
@@ -240,6 +309,10 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
                     1.0
                 ]
                 * m,
+                "the last micro-batch's mean loss alone: the batch's loss takes every "
+                "micro-batch's, each weighted by its share of the rows": [0.0] * (m - 1) + [1.0],
+                "the last micro-batch's share alone (a variable overwritten in the loop?): add "
+                "up every micro-batch's share": [0.0] * (m - 1) + [rows[-1] / n],
             }
             hint = next(
                 (
@@ -247,7 +320,8 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
                     for why, weights in slips.items()
                     if abs(got_loss - _weighted(make, loss_fn, x, y, rows, weights)[1]) <= 1e-9
                 ),
-                "",
+                ": the batch's mean loss is loss_fn over all its rows, which the micro-batches' "
+                "losses give when each counts for its share of the rows",
             )
             raise ExerciseFailed(
                 f"on {name}: the batch's mean loss is {want_loss.item():.6f}, got "

@@ -4,9 +4,9 @@ Chapter 4 draws what recomputation keeps and reruns with ``checkpoint_segments``
 draw the per-stage timeline of a pipelined step with ``gantt`` (the idle bubble shows as white
 space), and chapter 6 hatches and totals each stage's idle time with ``idle_gaps`` to derive the
 bubble, and draws with ``held_activations`` how many micro-batches' activations each stage holds
-through a step; chapter 13 draws one composed step of every rank with ``gantt`` (its gradient
-sync and optimizer step in their own colours). :mod:`dmlbook.model_parallel.schedules` draws its
-schedules with ``gantt`` too.
+through a step (``schedule_and_held`` draws both on one time axis); chapter 13 draws one composed
+step of every rank with ``gantt`` (its gradient sync and optimizer step in their own colours).
+:mod:`dmlbook.model_parallel.schedules` draws its schedules with ``gantt`` too.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ __all__ = [
     "gantt",
     "held_activations",
     "idle_gaps",
+    "pipeline_sweep",
+    "schedule_and_held",
 ]
 
 
@@ -91,12 +93,18 @@ def gantt(
             left, width = (r.start - t0) * scale, (r.end - r.start) * scale
             colour = GANTT_COLOURS.get(r.op, "0.6")
             ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
-            # -1: not a micro-batch's op (sync, step); a box too narrow for its number gets none
+            # -1: not a micro-batch's op (sync, step); a narrow box gets its number smaller,
+            # above the box; only a sliver too thin to point at gets none
             if r.microbatch >= 0 and r.end - r.start >= 0.012 * span:
                 ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center",
                         fontsize=7)  # fmt: skip
+            elif r.microbatch >= 0 and r.end - r.start >= 0.002 * span:
+                ax.text(left + width / 2, row - 0.42, str(r.microbatch), ha="center",
+                        va="bottom", fontsize=5)  # fmt: skip
     ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
-    ax.set_ylim(rows - 0.5, -0.5)  # stage 0 on top, as in the book's figures
+    ax.set_ylim(
+        rows - 0.5, -0.62
+    )  # stage 0 on top, as in the book's figures; room for small labels
     ax.set_xlabel(f"time since the step started ({unit})")
     present = {r.op for timeline in timelines for r in timeline}
     ops = [op for op in GANTT_COLOURS if op in present or op in ("F", "B")]
@@ -137,6 +145,7 @@ def idle_gaps(
     ax.set_xlim(0, (t1 - t0) * scale * 1.2)  # room for the idle totals
     if unit == "slot":
         ax.set_xlabel("time slot (every op lasts one)")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     legend = ax.get_legend()
     handles = [*legend.legend_handles, plt.Rectangle((0, 0), 1, 1, fc="w", ec="0.55", hatch="///")]
     names = [t.get_text() for t in legend.get_texts()] + ["idle"]
@@ -168,20 +177,84 @@ def held_activations(
         times, held, level = [0.0], [0], 0
         for time, change in events:
             level += change
-            times.append((time - t0) * scale)
-            held.append(level)
+            if times[-1] == (time - t0) * scale:  # a backward ends as the next forward starts:
+                held[-1] = level  # one step to the net count, not a dip to draw
+            else:
+                times.append((time - t0) * scale)
+                held.append(level)
         times.append((t1 - t0) * scale)
         held.append(level)
-        offset = 0.06 * (stage - (len(timelines) - 1) / 2)  # lines that coincide stay visible
-        ax.step(times, [h + offset for h in held], where="post", color=f"C{stage}", lw=1.8,
-                label=f"stage {stage}")  # fmt: skip
+        # drawn at their true level; where stages hold the same count, the later stage's thinner
+        # line runs inside the earlier one's wider one, so both stay visible
+        width = 1.5 + 2.5 * (len(timelines) - 1 - stage)
+        ax.step(times, held, where="post", color=f"C{stage}", lw=width, label=f"stage {stage}",
+                solid_capstyle="butt", zorder=2 + stage)  # fmt: skip
         if caps is not None:
-            ax.axhline(caps[stage] + offset, color=f"C{stage}", ls="--", lw=1,
+            ax.axhline(caps[stage], color=f"C{stage}", ls="--", lw=1.2, zorder=1,
                        label=f"stage {stage}: {cap_label} {caps[stage]}")  # fmt: skip
     ax.set_xlim(0, (t1 - t0) * scale)
-    ax.set_ylim(0, max(len({r.microbatch for r in timeline}) for timeline in timelines) + 0.6)
+    top = max(len({r.microbatch for r in timeline}) for timeline in timelines)
+    ax.set_ylim(-0.2, top + 0.6)
+    ax.set_yticks(range(top + 1))  # whole micro-batches
     ax.set_xlabel("time slot (every op lasts one)" if unit == "slot" else f"time ({unit})")
+    if unit == "slot":
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_ylabel("micro-batches held")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=9)
     return ax
+
+
+def schedule_and_held(
+    timelines: Sequence[Sequence[_Op]],
+    title: str,
+    caps: Sequence[int] | None = None,
+    cap_label: str = "at most",
+    unit: str = "slot",
+) -> tuple[plt.Axes, plt.Axes]:
+    """A step drawn twice on one time axis: :func:`idle_gaps` above (what each stage runs, its
+    idle time hatched), :func:`held_activations` below (how many micro-batches' activations each
+    stage holds, ``caps`` dashed). Chapter 6 draws GPipe and 1F1B this way, one slot per op."""
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 4.6), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]}
+    )
+    idle_gaps(timelines, f"{title}: what each stage runs", ax=top, unit=unit)
+    top.set(xlabel="", ylabel="pipeline stage")
+    room = top.get_xlim()  # idle_gaps leaves room on the right for each stage's idle total
+    held = f"{title}: micro-batches whose activations each stage holds"
+    held_activations(timelines, caps=caps, cap_label=cap_label, ax=bottom, unit=unit, title=held)
+    bottom.set_xlim(room)
+    fig.tight_layout()
+    return top, bottom
+
+
+def pipeline_sweep(records: Sequence[dict], schedules: Sequence[str] = ("gpipe", "1f1b")):
+    """:func:`dmlbook.bench.pipeline.bench_pipeline`'s records as two panels against the number of
+    micro-batches M (M = 1: vanilla model parallelism): the median idle fraction beside the
+    theory (P-1)/(M+P-1), and the median step beside vanilla's x (M+P-1)/(M P), the step that
+    the bubble alone would leave if every op kept its length. Returns the two axes."""
+    from dmlbook.model_parallel.schedules import bubble_theory
+
+    by_case = {(r["schedule"], r["microbatches"]): r for r in records}
+    stages = records[0]["stages"]
+    ms = [1] + sorted({m for s, m in by_case if s != "vanilla"})
+    vanilla = by_case["vanilla", 1]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    for schedule in schedules:
+        label = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
+        cases = [vanilla] + [by_case[schedule, m] for m in ms[1:]]
+        axes[0].plot(ms, [r["bubble_measured"] for r in cases], "o-", label=f"{label}, measured")
+        axes[1].plot(ms, [1e3 * r["median_step_s"] for r in cases], "o-", label=label)
+    axes[0].plot(ms, [bubble_theory(stages, m) for m in ms], "k--", label="(P-1)/(M+P-1)")
+    ideal = [1e3 * vanilla["median_step_s"] * (m + stages - 1) / (m * stages) for m in ms]
+    axes[1].plot(ms, ideal, "k--", label="vanilla x (M+P-1)/(M P)")
+    axes[0].set(xscale="log", xlabel="micro-batches M (count)", ylabel="idle fraction of the step",
+                title=f"Pipeline bubble, {stages} stages", ylim=(0, 0.65))  # fmt: skip
+    axes[1].set(xscale="log", xlabel="micro-batches M (count)", ylabel="median step (ms)",
+                title=f"Step time, {stages} stages (M = 1: vanilla)", ylim=(0, None))  # fmt: skip
+    for ax in axes:
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xticks([], minor=True)
+        ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return axes
