@@ -29,6 +29,22 @@ def quantize_truncating(t):
     return (t / scale).to(torch.int8), scale
 
 
+def quantize_per_row(t):
+    rows = t.reshape(len(t), -1) if t.dim() > 1 else t.reshape(1, -1)
+    scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(rows / scales).to(torch.int8).view_as(t), scales.squeeze(1)
+
+
+def quantize_without_zero_guard(t):
+    scale = t.abs().max().item() / 127
+    q = torch.round(t / scale).clamp(-127, 127).nan_to_num(0).to(torch.int8)
+    return q, scale
+
+
+def quantize_nan_scale(t):
+    return quantize(t)[0], float("nan")
+
+
 def test_int8_quantize_passes_the_right_answer():
     assert ch04.check_int8_quantize(quantize).status == "passed"
 
@@ -38,6 +54,9 @@ def test_int8_quantize_passes_the_right_answer():
     [
         (quantize_by_max, r"max\(t\) / 127; use the largest MAGNITUDE"),
         (quantize_truncating, "Round to the nearest integer"),
+        (quantize_per_row, "ONE number for the whole tensor"),
+        (quantize_without_zero_guard, "Guard the all-zero case"),
+        (quantize_nan_scale, "must be a finite number"),
     ],
 )
 def test_int8_quantize_catches_planted_bugs(answer, message):
@@ -129,7 +148,16 @@ def _quantize_rows(t):
     return q.view_as(t), scales.item()
 
 
-@pytest.mark.parametrize("answer", [_quantize_by_torch, _quantize_rows])
+def _quantize_per_channel_by_torch(t):
+    flat = t.reshape(1, -1)
+    scale = max(t.abs().max().item() / 127, 1e-12)
+    q = torch.quantize_per_channel(flat, torch.tensor([scale]), torch.tensor([0]), 0, torch.qint8)
+    return q.int_repr().view_as(t), scale
+
+
+@pytest.mark.parametrize(
+    "answer", [_quantize_by_torch, _quantize_rows, _quantize_per_channel_by_torch]
+)
 def test_other_library_quantizers_are_rejected_too(answer):
     with pytest.raises(ExerciseFailed, match="called the library instead.*switched off"):
         ch04.check_int8_quantize(answer)

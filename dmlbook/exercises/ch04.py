@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,29 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def _one_scale(name: str, scale) -> float:
+    """The learner's scale as one float, or a failure that says why it is not one."""
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        raise ExerciseFailed(
+            f"on {name}: scale must be ONE number for the whole tensor (max|t| / 127), got a "
+            f"tensor of shape {tuple(scale.shape)}: one scale per row or channel is a different "
+            "scheme (quantize_int8's per_channel); take the max over every element"
+        )
+    try:
+        value = float(scale)
+    except (TypeError, ValueError) as error:
+        raise ExerciseFailed(
+            f"on {name}: scale must be one number (a float, or a one-element tensor), got "
+            f"{type(scale).__name__}: {error}"
+        ) from None
+    if not math.isfinite(value):
+        raise ExerciseFailed(
+            f"on {name}: scale is {value}; it must be a finite number (did you divide by zero? "
+            "an all-zero tensor needs a guard)"
+        )
+    return value
+
+
 @checker(
     "int8_quantize",
     writes=(
@@ -39,16 +63,19 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
         "dmlbook.comm.compression.int8_hook",
         "torch.quantize_per_tensor",
         "torch.quantize_per_tensor_dynamic",
+        "torch.quantize_per_channel",
         "torch.fake_quantize_per_tensor_affine",
+        "torch.fake_quantize_per_channel_affine",
     ),
 )
 def check_int8_quantize(fn: Callable[[torch.Tensor], tuple[torch.Tensor, float]]) -> str:
     """Check ``fn(t) -> (q, scale)``: int8 ``q`` of t's shape, ``scale = max|t| / 127``, and
-    ``q * scale`` within ``scale / 2`` of t everywhere."""
+    ``q * scale`` within ``scale / 2`` of t everywhere; an all-zero t gives zeros and a positive
+    scale (``0 / 0`` is NaN, which has no int8 value)."""
     for name, t in _cases():
         with learner_code(f"your quantize on {name}"):
             q, scale = fn(t.clone())
-        scale = float(scale)
+        scale = _one_scale(name, scale)
         if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.shape != t.shape:
             got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q)
             raise ExerciseFailed(
@@ -73,6 +100,12 @@ def check_int8_quantize(fn: Callable[[torch.Tensor], tuple[torch.Tensor, float]]
             )
         if absmax == 0 and q.any():
             raise ExerciseFailed(f"on {name}: a zero tensor must quantize to zeros")
+        if absmax == 0 and not (math.isfinite(scale) and scale > 0):
+            raise ExerciseFailed(
+                f"on {name}: scale is {scale}, so t / scale is 0 / 0 = NaN, and NaN has no int8 "
+                "value (what .to(torch.int8) makes of it depends on the machine). Guard the "
+                "all-zero case: return zeros and a positive scale such as 1.0"
+            )
     return "int8 within scale / 2 everywhere, with scale = max|t| / 127, on all 4 tensors"
 
 
