@@ -6,7 +6,7 @@
         --rdzv-id job1 examples/composed_layouts.py --layouts dp2.tp2.pp2,dp8 --out times.json
 
 Rank 0 writes ``{layout: {"step": [seconds, ...], "forward/backward": [...], ...}}``: each
-step's time on the slowest rank, and the slowest rank's time in each part of it
+step's time on the slowest rank, and that rank's time in each part of it
 (``training.PHASES``), after one warm-up step. The model is the char-GPT of
 ``dmlbook.advanced.composition.planner.NETLAB_MODEL``.
 """

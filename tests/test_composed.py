@@ -17,6 +17,7 @@ from dmlbook.advanced.composition.planner import (
     Network,
     Workload,
     layouts_of,
+    predict_broadcast,
     predict_memory,
     predict_traffic,
     rank_layouts,
@@ -199,7 +200,8 @@ def test_mismatched_shapes_and_worlds_raise_on_every_rank_without_a_hang():
 @pytest.mark.timeout(120)
 def test_time_layouts_gives_each_step_and_its_parts_on_the_slowest_rank():
     """Chapter 13 times layouts on the network lab this way: per layout, each timed step and
-    the slowest rank's forward/backward, gradient sync and ZeRO-1 step within it."""
+    the slowest rank's forward/backward, gradient sync and ZeRO-1 step within it, which add up
+    to its step."""
     layouts = [Layout(dp=2), Layout(tp=2)]
     times = run(time_layouts, 2, make_dense, batches(), layouts, 1, 1, timeout=90)
     assert times[0] == times[1]  # every rank returns the slowest rank's times
@@ -207,7 +209,7 @@ def test_time_layouts_gives_each_step_and_its_parts_on_the_slowest_rank():
         row = times[0][str(layout)]
         assert set(row) == {"step", *PHASES} and all(len(v) == STEPS - 1 for v in row.values())
         for step, *parts in zip(row["step"], *(row[p] for p in PHASES), strict=True):
-            assert all(t >= 0 for t in parts) and max(parts) <= step + 1e-3
+            assert all(t >= 0 for t in parts) and abs(sum(parts) - step) < 1e-6
 
 
 # --------------------------------------------------------------------------- the planner
@@ -227,3 +229,13 @@ def test_planner_keeps_the_chatty_dimensions_inside_a_node():
     )[str(Layout(dp=2, tp=4))]["tp"]
     assert spread > 10 * inside
     assert predict_traffic(work, Layout(dp=8), 0).sent["tp"] == 0
+
+
+def test_predict_broadcast_is_each_owned_parameter_once_to_every_other_group_rank():
+    """ZeRO-1's broadcasts: over a group, every parameter leaves its owner once per other rank,
+    so the group's ranks together send (n - 1) x the stage's parameters; no group, nothing."""
+    work = Workload.of(make_dense(), BATCH, SEQ, MICRO, element_size=8)
+    for layout, n in ((Layout(dp=2), 2), (Layout(dp=4), 4), (Layout(dp=2, cp=2), 4)):
+        total = sum(predict_broadcast(work, layout, r) for r in range(n))
+        assert total == (n - 1) * predict_memory(work, layout, 0)["params"]
+    assert predict_broadcast(work, Layout(tp=2), 0) == 0

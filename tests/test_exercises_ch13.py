@@ -1,8 +1,10 @@
-"""Chapter 13's exercise checkers: right answers pass; planted bugs (a plain average of the two
-outputs, the larger log-sum-exp, NaN on rows no key reached; tokens per expert instead of rows
-per rank, experts placed round-robin, an unstable sort, no ValueError; the ep and edp groups
-swapped, tp ranks inside dp_cp, ranks inside a group out of order, no ValueError) are caught with
-a message that says so; answers that only call the library are refused."""
+"""Chapter 13's exercise checkers: right answers pass; planted bugs are caught with a message
+that says so: a plain average of the two outputs, the larger log-sum-exp, lse_a + lse_b, swapped
+weights, NaN on rows no key (or one part's keys only) reached, e^lse overflowing; tokens per
+expert instead of rows per rank, experts placed round-robin, an unstable sort (torch.argsort
+without stable=True), grouping by rank only, a ValueError for a valid split or none; the ep and
+edp groups swapped, tp ranks inside dp_cp, ranks inside a group out of order, testing dp % ep,
+no ValueError. Answers that only call the library are refused."""
 
 import math
 
@@ -43,6 +45,30 @@ def merge_nan(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, lse
 
 
+def merge_unshifted(out_a, lse_a, out_b, lse_b):
+    """Right for small scores; e^lse overflows for large ones."""
+    ea, eb = lse_a.exp(), lse_b.exp()
+    total = ea + eb
+    wa = torch.where(total > 0, ea / total, torch.zeros_like(total)).unsqueeze(-1)
+    wb = torch.where(total > 0, eb / total, torch.zeros_like(total)).unsqueeze(-1)
+    return wa * out_a + wb * out_b, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_sum(out_a, lse_a, out_b, lse_b):
+    return merge(out_a, lse_a, out_b, lse_b)[0], lse_a + lse_b
+
+
+def merge_swapped(out_a, lse_a, out_b, lse_b):
+    out, lse = merge(out_b, lse_a, out_a, lse_b)
+    return out, lse
+
+
+def merge_sigmoid(out_a, lse_a, out_b, lse_b):
+    """The sigmoid form, right except that rows no key reached come out NaN."""
+    wa = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return wa * out_a + (1 - wa) * out_b, lse_a - torch.nn.functional.logsigmoid(lse_a - lse_b)
+
+
 def test_merge_passes_the_right_answer_and_not_attempted():
     assert ch13.check_online_softmax_merge(merge).status == "passed"
     assert ch13.check_online_softmax_merge(unanswered).status == "not attempted"
@@ -50,7 +76,15 @@ def test_merge_passes_the_right_answer_and_not_attempted():
 
 @pytest.mark.parametrize(
     "answer, message",
-    [(merge_average, "plain average"), (merge_max, "larger log-sum-exp"), (merge_nan, "NaN")],
+    [
+        (merge_average, "plain average"),
+        (merge_max, "larger log-sum-exp"),
+        (merge_nan, "reached by no key"),
+        (merge_unshifted, "overflows"),
+        (merge_sum, "product"),
+        (merge_swapped, "weights are swapped"),
+        (merge_sigmoid, "one part only"),
+    ],
 )
 def test_merge_catches_planted_bugs(answer, message):
     with pytest.raises(ExerciseFailed, match=message):
@@ -88,6 +122,26 @@ def dispatch_no_check(expert, n_experts, world_size):
     return order, torch.bincount((expert // per).clamp(max=world_size - 1), minlength=world_size)
 
 
+def dispatch_argsort(expert, n_experts, world_size):
+    """torch.argsort without stable=True: ties in any order torch likes."""
+    order, counts = dispatch(expert, n_experts, world_size)
+    return torch.argsort(expert), counts
+
+
+def dispatch_method_sort(expert, n_experts, world_size):
+    order, counts = dispatch(expert, n_experts, world_size)
+    return expert.sort().indices, counts
+
+
+def dispatch_by_rank(expert, n_experts, world_size):
+    order, counts = dispatch(expert, n_experts, world_size)
+    return torch.sort(expert // (n_experts // world_size), stable=True).indices, counts
+
+
+def dispatch_raises_always(expert, n_experts, world_size):
+    raise ValueError("no")
+
+
 def test_dispatch_passes_the_right_answer_and_not_attempted():
     assert ch13.check_all_to_all_dispatch(dispatch).status == "passed"
     assert ch13.check_all_to_all_dispatch(unanswered).status == "not attempted"
@@ -98,7 +152,11 @@ def test_dispatch_passes_the_right_answer_and_not_attempted():
     [
         (dispatch_per_expert, "tokens per expert"),
         (dispatch_round_robin, "e % world_size"),
-        (dispatch_unstable, "sort stably"),
+        (dispatch_unstable, "stable=True"),
+        (dispatch_argsort, "stable=True"),
+        (dispatch_method_sort, "stable=True"),
+        (dispatch_by_rank, "not by expert inside it"),
+        (dispatch_raises_always, "raise only when"),
         (dispatch_no_check, "instead of raising ValueError"),
     ],
 )
@@ -145,6 +203,12 @@ def expert_groups_no_check(pp, dp, cp, tp, ep):
     return expert_groups(pp, dp, cp, tp, ep)
 
 
+def expert_groups_dp_check(pp, dp, cp, tp, ep):
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}")
+    return expert_groups(pp, dp, cp, tp, ep)
+
+
 def test_expert_groups_passes_the_right_answer_and_not_attempted():
     assert ch13.check_expert_groups(expert_groups).status == "passed"
     assert ch13.check_expert_groups(unanswered).status == "not attempted"
@@ -157,6 +221,7 @@ def test_expert_groups_passes_the_right_answer_and_not_attempted():
         (expert_groups_over_tp, "has 4 ranks"),
         (expert_groups_reversed, "ranks inside a group are out of order"),
         (expert_groups_no_check, "instead of raising ValueError"),
+        (expert_groups_dp_check, "divides dp x cp"),
     ],
 )
 def test_expert_groups_catches_planted_bugs(answer, message):

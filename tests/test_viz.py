@@ -41,7 +41,7 @@ def test_who_holds_what_colours_each_group_and_labels_each_rank():
     layout = Layout(dp=2, tp=2, pp=2)
     ax = viz.who_holds_what([f"r{r}" for r in range(8)], layout.group_ranks()["pp"], columns=4)
     texts = [t.get_text() for t in ax.texts]
-    assert texts == [f"rank {r}  (group {r % 4})\nr{r}" for r in range(8)]
+    assert texts == [f"rank {r}\ngroup {r % 4}\nr{r}" for r in range(8)]  # the tag on its own line
     assert len(ax.lines) == 0  # no line crosses the boxes between a group's ranks
     colour = [p.get_facecolor() for p in ax.patches if isinstance(p, plt.Rectangle)]
     assert [colour[r] == colour[r + 4] for r in range(4)] == [True] * 4  # a group, one colour
@@ -205,3 +205,35 @@ def test_checkpoint_segments_keeps_each_segment_input_and_the_whole_last_segment
     assert [x for x, _ in boxes] == list(range(10))
     kept = [x for x, alpha in boxes if alpha == 1.0]
     assert kept == [0, 3, 6, 7, 8, 9]  # segment inputs, then all of the last segment
+
+
+def test_ps_timeline_draws_a_wait_a_compute_and_a_pause_bar_per_step():
+    timeline = [
+        (1, "pull", 10.0), (1, "reply", 10.5), (1, "push", 12.0),
+        (2, "pull", 10.0), (2, "reply", 10.0), (2, "push", 11.0),
+    ]  # fmt: skip
+    ax = viz.collectives.ps_timeline(timeline, [[1.0], [0.0]])
+    bars = sorted((round(p.get_x(), 3), round(p.get_width(), 3), round(p.get_y() + 0.25, 3))
+                  for p in ax.patches)  # fmt: skip
+    # worker 0 (rank 1): held 0.5, then computing 1.5 of which the last 1.0 a pause; worker 1
+    # (rank 2): never held (a bar of width 0), computing 1.0
+    assert bars == [(0.0, 0.0, 1.0), (0.0, 0.5, 0.0), (0.0, 1.0, 1.0), (0.5, 1.5, 0.0),
+                    (1.0, 1.0, 0.0)]  # fmt: skip
+    assert sorted(t.get_text() for t in ax.texts if t.get_text().isdigit()) == ["1", "1"]
+
+
+def test_moe_round_trip_draws_each_row_at_each_stage():
+    """2 ranks, 2 tokens each, top-1 over 2 experts (one per rank): rank 0's t1 goes to rank 1's
+    expert; every token is drawn at route and combine, every row once sent and once received."""
+    experts = [[[0], [1]], [[1], [1]]]
+    weights = [[[1.0], [1.0]], [[1.0], [1.0]]]
+    sent = [[(0, 0), (1, 0)], [(0, 0), (1, 0)]]  # sorted by expert: e0 first
+    ax = viz.layouts.moe_round_trip(experts, weights, sent, [[1, 1], [0, 2]], n_experts=2)
+    texts = [t.get_text() for t in ax.texts]
+    assert sum(t.startswith("t") and " -> " in t for t in texts) == 4  # route
+    assert sum(" for e" in t for t in texts) == 4  # sent
+    assert sorted(t for t in texts if t.startswith("e") and "'s t" in t) == [
+        "e0: rank 0's t0", "e1: rank 0's t1", "e1: rank 1's t0", "e1: rank 1's t1",
+    ]  # fmt: skip
+    assert "counts sent to e0-e1: 1 1" in texts and "counts received from ranks 0-1: 1 2" in texts
+    plt.close(ax.figure)

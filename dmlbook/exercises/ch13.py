@@ -23,6 +23,7 @@ one of them is told to write the mechanism.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -72,7 +73,59 @@ def _merge_cases() -> list[tuple[torch.Tensor, ...]]:
     lse_a = torch.tensor([1.0, float("-inf"), float("-inf")], dtype=torch.float64)  # none
     lse_b = torch.tensor([float("-inf"), 2.0, float("-inf")], dtype=torch.float64)
     cases.append((out * 2, lse_a, out * 3, lse_b))
+    # Large scores: e^800 overflows float64 (largest ~e^709), e^100 overflows float32 (~e^88).
+    for dtype, big in ((torch.float64, 800.0), (torch.float32, 100.0)):
+        out_a = torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)
+        out_b = torch.randn(4, 3, generator=g, dtype=torch.float64).to(dtype)
+        lse_a = torch.tensor([big, big + 1.5, big - 2.0, big], dtype=dtype)
+        lse_b = torch.tensor([big + 0.5, big, big + 3.0, big - 40.0], dtype=dtype)
+        cases.append((out_a, lse_a, out_b, lse_b))
     return cases
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to rounding in the case's dtype (float32 cases get float32's tolerance)."""
+    if got.dtype != want.dtype:
+        got = got.to(want.dtype)
+    tight = want.dtype == torch.float64
+    rtol, atol = (1e-9, 1e-12) if tight else (1e-5, 1e-6)
+    return got.shape == want.shape and torch.allclose(got, want, rtol=rtol, atol=atol)
+
+
+def _nan_hint(call: str, out, lse, lse_a, lse_b) -> str:
+    """Why an answer returned NaN or infinity, for each kind of row it did so in: rows no key
+    reached, rows only one part reached (one lse = -inf), rows whose e^lse overflows."""
+    bad = torch.isnan(lse) | ~torch.isfinite(out).all(dim=-1)
+    empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+    one_sided = torch.isneginf(lse_a) ^ torch.isneginf(lse_b)
+    large = ~empty & ~one_sided & (torch.maximum(lse_a, lse_b) > 80)
+    why = []
+    if bool((bad & empty).any()):
+        why.append(
+            "where a row was reached by no key (lse = -inf on both sides): exp(-inf - (-inf)) "
+            "is NaN; give such rows weight 0 (output zeros, lse -inf)"
+        )
+    if bool((bad & one_sided).any()):
+        why.append(
+            "where a row was reached by the keys of one part only (the other's lse = -inf): "
+            "-inf - (-inf) and inf - inf are NaN; that part's weight must come out 0, the "
+            "other's 1, and lse the reached part's"
+        )
+    if bool((bad & large).any()):
+        why.append(
+            f"where the log-sum-exps are large (here up to {float(lse_a.max()):.0f}): e^lse "
+            f"overflows ({lse.dtype} holds at most about "
+            f"e^{math.log(torch.finfo(lse.dtype).max):.0f}), and inf / inf is NaN. Never "
+            "exponentiate a log-sum-exp alone: subtract the merged (or the larger) one first, "
+            "e^(lse_a - lse), which is at most 1"
+        )
+    if bool((bad & ~empty & ~one_sided & ~large).any()):
+        rows = (bad & ~empty & ~one_sided & ~large).reshape(-1).nonzero().flatten()[:4].tolist()
+        why.append(
+            f"in rows {rows} (flattened), where lse_a = {lse_a.reshape(-1)[rows].tolist()} and "
+            f"lse_b = {lse_b.reshape(-1)[rows].tolist()}"
+        )
+    return f"{call} returned NaN or infinity " + "; and ".join(why)
 
 
 @checker(
@@ -90,32 +143,54 @@ def check_online_softmax_merge(fn: Callable[..., tuple[torch.Tensor, torch.Tenso
         if not (isinstance(got, tuple) and len(got) == 2):
             raise ExerciseFailed(f"{call} returned {type(got).__name__}, not (out, lse)")
         out, lse = got
-        if torch.isnan(out).any() or torch.isnan(lse).any():
-            raise ExerciseFailed(
-                f"{call} returned NaN where a row was reached by no key (lse = -inf on both "
-                "sides): exp(-inf - (-inf)) is NaN; give such rows weight 0 (output zeros)"
-            )
+        if not (torch.is_tensor(out) and torch.is_tensor(lse)):
+            raise ExerciseFailed(f"{call} returned {type(out).__name__}, {type(lse).__name__}; "
+                                 "expected two tensors")  # fmt: skip
         if out.shape != want_out.shape or lse.shape != want_lse.shape:
             raise ExerciseFailed(
                 f"{call} returned shapes {tuple(out.shape)}, {tuple(lse.shape)}; expected "
                 f"{tuple(want_out.shape)}, {tuple(want_lse.shape)}"
             )
-        if not torch.allclose(lse, want_lse, rtol=1e-9, atol=1e-12, equal_nan=False):
+        if torch.isnan(out).any() or torch.isnan(lse).any() or not torch.isfinite(out).all():
+            raise ExerciseFailed(_nan_hint(call, out, lse, lse_a, lse_b))
+        if not _close(lse, want_lse):
             hint = ""
-            if torch.allclose(lse, torch.maximum(lse_a, lse_b)):
+            if _close(lse, torch.maximum(lse_a, lse_b)):
                 hint = (
                     ": that is the larger log-sum-exp; the denominators add, lse = log(e^a + e^b)"
                 )
+            elif _close(lse, lse_a + lse_b):
+                hint = (
+                    ": that is lse_a + lse_b, the log of the denominators' *product*; the "
+                    "denominators add, lse = log(e^lse_a + e^lse_b)"
+                )
             raise ExerciseFailed(f"{call}: lse\n{lse}\nexpected\n{want_lse}{hint}")
-        if not torch.allclose(out, want_out, rtol=1e-9, atol=1e-12):
-            hint = ""
-            if torch.allclose(out, (out_a + out_b) / 2):
+        if not _close(out, want_out):
+            weight_a = (lse_a - want_lse).exp().nan_to_num(0.0).unsqueeze(-1)
+            weight_b = (lse_b - want_lse).exp().nan_to_num(0.0).unsqueeze(-1)
+            if _close(out, (out_a + out_b) / 2):
                 hint = (
                     ": that is the plain average; weight each part by its share of the "
                     "softmax denominator, e^(lse_a - lse) and e^(lse_b - lse)"
                 )
+            elif _close(out, weight_b * out_a + weight_a * out_b):
+                hint = (
+                    ": the weights are swapped; out_a's share is e^(lse_a - lse), the part of "
+                    "the denominator that A's keys contributed"
+                )
+            elif _close(out, out_a + out_b):
+                hint = ": that is the plain sum; weight each part by e^(lse_part - lse)"
+            else:
+                hint = (
+                    ": each part's output is a softmax-weighted average over its own keys; "
+                    "rescale it by that part's share of the merged denominator, e^(lse_a - lse) "
+                    "and e^(lse_b - lse), and add"
+                )
             raise ExerciseFailed(f"{call}: out\n{out}\nexpected\n{want_out}{hint}")
-    return f"right outputs and log-sum-exps for {len(_merge_cases())} cases, empty rows included"
+    return (
+        f"right outputs and log-sum-exps for {len(_merge_cases())} cases, empty rows and "
+        "large (overflowing) log-sum-exps in float64 and float32 included"
+    )
 
 
 # --------------------------------------------------------------------------- 2. dispatch
@@ -138,11 +213,47 @@ def _dispatch_cases() -> list[tuple[list[int], int, int]]:
     ]
 
 
+class _TiesReversed:
+    """While the learner's dispatch runs, a sort not asked to be stable returns ties in reversed
+    order: a valid answer of an unstable sort (torch promises nothing about ties unless
+    ``stable=True``, and on a GPU, or another build, they do come back shuffled), so an answer
+    that relies on ties keeping their order fails here as it would there."""
+
+    def __init__(self) -> None:
+        self.saved = {}
+
+    def __enter__(self):
+        sort = torch.sort
+
+        def fake_sort(input, dim=-1, descending=False, stable=None, *, out=None):
+            if stable or out is not None or input.dim() != 1:
+                return sort(input, dim=dim, descending=descending, stable=bool(stable), out=out)
+            values, indices = sort(input.flip(0), descending=descending, stable=True)
+            return torch.return_types.sort((values, len(input) - 1 - indices))
+
+        def fake_argsort(input, dim=-1, descending=False, stable=False):
+            return fake_sort(input, dim=dim, descending=descending, stable=stable).indices
+
+        def method(fn):
+            return lambda self, *args, **kwargs: fn(self, *args, **kwargs)
+
+        for owner, name, fake in ((torch, "sort", fake_sort), (torch, "argsort", fake_argsort),
+                                  (torch.Tensor, "sort", method(fake_sort)),
+                                  (torch.Tensor, "argsort", method(fake_argsort))):  # fmt: skip
+            self.saved[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, fake)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (owner, name), original in self.saved.items():
+            setattr(owner, name, original)
+
+
 @checker(
     "all_to_all_dispatch",
     writes=(
         "dmlbook.advanced.expert_parallel.moe.Routing.order",
-        "dmlbook.advanced.expert_parallel.layer.ExpertParallelMoE.forward",
+        "dmlbook.advanced.expert_parallel.layer.ExpertParallelMoE.dispatch",
         "dmlbook.comm.alltoall.all_to_all_single",
         "dmlbook.comm.alltoall.differentiable_all_to_all",
         "torch.distributed.all_to_all_single",
@@ -156,7 +267,15 @@ def check_all_to_all_dispatch(fn: Callable[[torch.Tensor, int, int], tuple]) -> 
         expert = torch.tensor(expert_list)
         call = f"your dispatch(expert={expert_list}, n_experts={n_experts}, world_size={world})"
         with learner_code(call):
-            got = fn(expert.clone(), n_experts, world)
+            try:
+                with _TiesReversed():
+                    got = fn(expert.clone(), n_experts, world)
+            except ValueError as error:
+                raise ExerciseFailed(
+                    f"{call} raised ValueError ({error}), but {n_experts} experts divide over "
+                    f"{world} ranks ({n_experts // world} each): raise only when n_experts % "
+                    "world_size is not 0"
+                ) from error
         want_order, want_counts = _expected_dispatch(expert, n_experts, world)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise ExerciseFailed(f"{call} returned {type(got).__name__}, not (order, send_counts)")
@@ -173,20 +292,39 @@ def check_all_to_all_dispatch(fn: Callable[[torch.Tensor, int, int], tuple]) -> 
             raise ExerciseFailed(f"{call} gave send_counts {counts}, expected {want_counts}{hint}")
         if order != want_order:
             hint = ""
-            if sorted(order) == sorted(want_order) and [expert_list[i] for i in order] == sorted(
-                expert_list
+            per_rank = n_experts // world
+            rank_order = torch.sort(expert // per_rank, stable=True).indices.tolist()
+            if sorted(order) != list(range(len(expert_list))):
+                hint = ": order must list every token index exactly once"
+            elif [expert_list[i] for i in order] == sorted(expert_list):
+                hint = (
+                    ": grouped by expert, but tokens of one expert out of their original order. "
+                    "Sort with stable=True: without it torch may return equal keys in any order "
+                    "(a GPU sort may), and then the rows no longer line up with the tokens "
+                    "the combine step adds them back to"
+                )
+            elif order == rank_order or [expert_list[i] // per_rank for i in order] == sorted(
+                e // per_rank for e in expert_list
             ):
                 hint = (
-                    ": grouped by expert, but tokens of one expert out of their original order "
-                    "(sort stably), so the combine step would return results to the wrong tokens"
+                    ": grouped by destination rank, but not by expert inside it; the receiving "
+                    "rank runs its experts one after another on consecutive rows, so expert e's "
+                    "rows must all come before expert e + 1's"
                 )
+            else:
+                hint = ": list the tokens sorted by expert, each expert's tokens by index"
             raise ExerciseFailed(f"{call} gave order {order}, expected {want_order}{hint}")
     expect_value_error(
         "your dispatch(expert=[0, 1, 2], n_experts=3, world_size=2)",
-        lambda: fn(torch.tensor([0, 1, 2]), 3, 2),
+        lambda: _with_ties_reversed(fn, torch.tensor([0, 1, 2]), 3, 2),
         "3 experts cannot be split into equal blocks over 2 ranks",
     )
     return f"right send order and counts for {len(_dispatch_cases())} routings; ValueError too"
+
+
+def _with_ties_reversed(fn, *args):
+    with _TiesReversed():
+        return fn(*args)
 
 
 # --------------------------------------------------------------------------- 3. expert groups
@@ -269,7 +407,19 @@ def check_expert_groups(fn: Callable[[int, int, int, int, int], dict]) -> str:
     for pp, dp, cp, tp, ep in _expert_cases():
         call = f"your expert_groups(pp={pp}, dp={dp}, cp={cp}, tp={tp}, ep={ep})"
         with learner_code(call):
-            got = fn(pp, dp, cp, tp, ep)
+            try:
+                got = fn(pp, dp, cp, tp, ep)
+            except ValueError as error:
+                why = ""
+                if dp % ep and not (dp * cp) % ep:
+                    why = (
+                        f" You seem to test dp % ep ({dp} % {ep}): an ep group may span both dp "
+                        "and cp, so the test is whether ep divides dp x cp"
+                    )
+                raise ExerciseFailed(
+                    f"{call} raised ValueError ({error}), but ep={ep} divides dp x cp = "
+                    f"{dp * cp}: this grid has {dp * cp // ep} ep group(s) per dp_cp group.{why}"
+                ) from error
         table = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).group_ranks()  # library on again
         if not isinstance(got, dict) or set(got) != set(_EXPERT_NAMES):
             keys = sorted(got) if isinstance(got, dict) else type(got).__name__

@@ -4,9 +4,10 @@ blocks.
 Chapter 9 draws a GEMM's column and row split with ``gemm_split`` and which rank holds what with
 ``who_holds_what``; chapter 9b the ZeRO stages with ``zero_stages``; chapter 13 which rank holds
 what on a 5-D layout with ``who_holds_what``, a layout's rank grid with ``rank_grid``, where
-sequence parallelism splits a block's activations with ``sequence_parallel_block``, the tokens
-each expert of a mixture of experts received, kept and dropped against its capacity with
-``expert_load``, and ring attention's blocks with ``ring_attention_blocks``.
+sequence parallelism splits a block's activations with ``sequence_parallel_block``, an
+expert-parallel layer's round trip with ``moe_round_trip``, the tokens each expert of a mixture
+of experts received, kept and dropped against its capacity with ``expert_load``, and ring
+attention's blocks with ``ring_attention_blocks``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dmlbook.viz.charts import stacked_bars
 __all__ = [
     "expert_load",
     "gemm_split",
+    "moe_round_trip",
     "rank_grid",
     "ring_attention_blocks",
     "sequence_parallel_block",
@@ -135,7 +137,7 @@ def who_holds_what(
         ax.add_patch(plt.Rectangle((x + 0.05, y + 0.08), 0.9, 0.84, fc=colour, alpha=0.3,
                                    ec=colour, lw=2))  # fmt: skip
         kind = "" if group_name == "group" else f"{group_name} "
-        tag = "" if g is None else f"  ({kind}group {g})"
+        tag = "" if g is None else f"\n{kind}group {g}"
         ax.text(x + 0.5, y + 0.5, f"rank {r}{tag}\n{text}", ha="center", va="center", fontsize=7)
     ax.set_xlim(0, columns)
     ax.set_ylim(0, rows)
@@ -273,7 +275,10 @@ def expert_load(
         for e, n in enumerate(routed)
     }
     limit = (capacity, "capacity") if capacity is not None else None
-    return stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
+    ax = stacked_bars(parts, "tokens", title, ax=ax, limit=limit)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high + 0.12 * (high - low))  # room for the labels above the bars
+    return ax
 
 
 def ring_attention_blocks(
@@ -316,4 +321,95 @@ def ring_attention_blocks(
               bbox_to_anchor=(1.0, 1.0), title="computed by", title_fontsize=7)  # fmt: skip
     ax.set_title(title or "ring attention: who computes each block, at which step (s)",
                  fontsize=9)  # fmt: skip
+    return ax
+
+
+def moe_round_trip(
+    experts: Sequence[Sequence[Sequence[int]]],
+    weights: Sequence[Sequence[Sequence[float]]],
+    sent: Sequence[Sequence[tuple[int, int]]],
+    send_splits: Sequence[Sequence[int]],
+    n_experts: int,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """An expert-parallel MoE layer's round trip, one lane per rank, four columns: each token's
+    experts and gate weights (route); the counts per expert, exchanged first, and the rows it
+    sends, in sending order, with how many go to each rank (dispatch); the rows each rank
+    received, grouped by its experts (experts); each token's output, the gate-weighted sum of
+    its results, back in token order (combine). ``experts[r][i]``, ``weights[r][i]``: token i
+    of rank r's k experts and gate weights; ``sent[r]``: the (token, choice) of each row rank r
+    sent, in order; ``send_splits[r][j]``: how many of them went to rank j; experts in
+    contiguous blocks of ``n_experts / ranks``. Boxes are coloured by the rank whose token they
+    carry. Chapter 13 draws one real run."""
+    world = len(experts)
+    local = n_experts // world
+    colours = plt.get_cmap("tab10")
+    counts = [[0] * n_experts for _ in range(world)]  # rows rank r sends to expert e
+    received: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    for src in range(world):
+        start = 0
+        for dst, n in enumerate(send_splits[src]):
+            for token, choice in sent[src][start : start + n]:
+                expert = experts[src][token][choice]
+                counts[src][expert] += 1
+                received[dst].append((expert, src, token))
+            start += n
+    for rows in received:
+        rows.sort(key=lambda row: row[0])  # stable: by expert, each in arrival order
+    rows_of = [max(len(sent[r]), len(received[r]), len(experts[r])) for r in range(world)]
+    tops = [sum(rows_of[:r]) + 2.4 * r for r in range(world + 1)]
+    ax = ax or plt.subplots(figsize=(12.5, 0.3 * tops[-1] + 1.2))[1]
+    width, gap = (2.6, 2.4, 2.4, 3.2), 0.9
+    left = [sum(width[:c]) + gap * c for c in range(4)]
+    heads = ("1. route: each token's experts\n(gate weights)",
+             "2. counts exchanged, then dispatch:\nrows sent, sorted by expert",
+             "3. experts run on the rows\nreceived, grouped by expert",
+             "4. combine: results back home,\nx gate weight, summed per token")  # fmt: skip
+
+    def box(column: int, y: float, text: str, rank: int) -> None:
+        x = left[column]
+        ax.add_patch(plt.Rectangle((x, y - 0.42), width[column], 0.84, fc=colours(rank % 10),
+                                   alpha=0.3, ec=colours(rank % 10)))  # fmt: skip
+        ax.text(x + 0.08, y, text, ha="left", va="center", fontsize=7, family="monospace")
+
+    for rank in range(world):
+        top = tops[rank]
+        ax.text(-0.3, top, f"rank {rank}\nexperts\n{rank * local}-{(rank + 1) * local - 1}",
+                ha="right", va="top", fontsize=8, weight="bold", color=colours(rank % 10))
+        for i, (es, ws) in enumerate(zip(experts[rank], weights[rank], strict=True)):
+            pairs = ", ".join(f"e{e} ({w:.3f})" for e, w in zip(es, ws, strict=True))
+            box(0, top + i, f"t{i} -> {pairs}", rank)
+            terms = " + ".join(f"{w:.3f} e{e}(t{i})" for e, w in zip(es, ws, strict=True))
+            box(3, top + i, f"t{i} = {terms}", rank)
+        start = 0
+        for dst, n in enumerate(send_splits[rank]):
+            for j in range(start, start + n):
+                token, choice = sent[rank][j]
+                box(1, top + j, f"t{token} for e{experts[rank][token][choice]}", rank)
+            if n:
+                middle = top + start + (n - 1) / 2
+                ax.annotate("", (left[1] + width[1] + 0.1, top + start - 0.4),
+                            (left[1] + width[1] + 0.1, top + start + n - 0.6),
+                            arrowprops=dict(arrowstyle="|-|", lw=0.8, color="0.4",
+                                            mutation_scale=2))  # fmt: skip
+                ax.text(left[1] + width[1] + 0.2, middle, f"{n} to\nrank {dst}", ha="left",
+                        va="center", fontsize=7, color="0.25")  # fmt: skip
+            start += n
+        for j, (expert, src, token) in enumerate(received[rank]):
+            box(2, top + j, f"e{expert}: rank {src}'s t{token}", src)
+        mine = range(rank * local, (rank + 1) * local)
+        below = top + rows_of[rank] + 0.1
+        ax.text(left[1], below, f"counts sent to e0-e{n_experts - 1}: "
+                + " ".join(str(c) for c in counts[rank]), fontsize=7, va="center")  # fmt: skip
+        ax.text(left[2], below, f"counts received from ranks 0-{world - 1}: "
+                + " ".join(str(sum(counts[s][e] for e in mine)) for s in range(world)),
+                fontsize=7, va="center")  # fmt: skip
+    for c, head in enumerate(heads):
+        ax.text(left[c] + width[c] / 2, -0.8, head, ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-1.6, left[-1] + width[-1] + 0.1)
+    ax.set_ylim(tops[-1] - 1.6, -2.2)
+    ax.axis("off")
+    ax.set_title(title or "one MoE layer's round trip: route, dispatch, experts, combine",
+                 fontsize=9, pad=14)  # fmt: skip
     return ax

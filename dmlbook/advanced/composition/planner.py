@@ -44,6 +44,7 @@ __all__ = [
     "netlab_batches",
     "netlab_model",
     "parse_layout",
+    "predict_broadcast",
     "predict_memory",
     "predict_traffic",
     "rank_layouts",
@@ -158,17 +159,38 @@ def predict_memory(work: Workload, layout: Layout, rank: int) -> dict[str, int]:
     params = [p for layer in layers for p in _parameters(work, layout, layer)]
     memory = {"params": e * sum(n for n, _ in params), "grads": e * sum(n for n, _ in params)}
     optimizer = 0
-    for expert, group, index in ((False, layout.dp * layout.cp, coords["dp"] * layout.cp +
-                                  coords["cp"]), (True, layout.dp * layout.cp // layout.ep,
-                                                  coords["edp"])):  # fmt: skip
-        numels = [n for n, is_expert in params if is_expert == expert]
-        owners = partition_parameters([numels], group)[0]
-        mine = [n for n, owner in zip(numels, owners, strict=True) if owner == index]
+    for _, mine in _owned(work, layout, rank):
         optimizer += 2 * e * sum(mine) + ADAM_STEP_BYTES * len(mine)
     memory["optimizer"] = optimizer
     live = min(layout.pp - coords["pp"], work.microbatches)
     memory["activations"] = live * sum(_saved(work, layout, layer) for layer in layers)
     return memory
+
+
+def _owned(work: Workload, layout: Layout, rank: int) -> list[tuple[int, list[int]]]:
+    """ZeRO-1's share of ``rank``: for the dense parameters (over dp x cp) and the experts' (over
+    edp), the group's size and the sizes of the parameters this rank owns."""
+    coords = layout.coordinates(rank)
+    layers = stage_layers(work, layout.pp)[coords["pp"]]
+    params = [p for layer in layers for p in _parameters(work, layout, layer)]
+    shares = []
+    for expert, group, index in ((False, layout.dp * layout.cp, coords["dp"] * layout.cp +
+                                  coords["cp"]), (True, layout.dp * layout.cp // layout.ep,
+                                                  coords["edp"])):  # fmt: skip
+        numels = [n for n, is_expert in params if is_expert == expert]
+        owners = partition_parameters([numels], group)[0]
+        shares.append(
+            (group, [n for n, owner in zip(numels, owners, strict=True) if owner == index])
+        )
+    return shares
+
+
+def predict_broadcast(work: Workload, layout: Layout, rank: int) -> int:
+    """Bytes ``rank`` sends in ZeRO-1's step: each parameter it owns, once to each other rank of
+    its group (dense: dp x cp, experts: edp), as a broadcast from the owner does."""
+    return sum(
+        work.element_size * sum(mine) * (group - 1) for group, mine in _owned(work, layout, rank)
+    )
 
 
 def _saved(work: Workload, layout: Layout, layer: str) -> int:

@@ -305,14 +305,18 @@ def time_layouts(
 ) -> dict[str, dict[str, list[float]]]:
     """Rank function: train with each layout in turn on the same ranks. For each, after
     ``warmup`` steps: ``"step"``, each step's time on the slowest rank (seconds, from the common
-    start), and for each of :data:`PHASES` the slowest rank's seconds in that part of each step."""
+    start), and for each of :data:`PHASES` that same rank's seconds in that part of the step,
+    so that the parts add up to the step."""
     cache: dict = {}
     times = {}
     for layout in layouts:
         result = train_composed(make_model, batches, layout, microbatches, group_cache=cache)
         rows = [[total, *parts] for total, parts in zip(result.step_s, result.phase_s, strict=True)]
-        slowest = torch.tensor(rows[warmup:], dtype=torch.float64)  # (steps, 1 + phases)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        columns = slowest.t().tolist()
-        times[str(layout)] = dict(zip(("step", *PHASES), columns, strict=True))
+        mine = torch.tensor(rows[warmup:], dtype=torch.float64)  # (steps, 1 + phases)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        every = torch.stack(everyone)  # (ranks, steps, 1 + phases)
+        slowest = every[:, :, 0].argmax(dim=0)  # each step's slowest rank
+        picked = every[slowest, torch.arange(every.shape[1])]  # (steps, 1 + phases)
+        times[str(layout)] = dict(zip(("step", *PHASES), picked.t().tolist(), strict=True))
     return times

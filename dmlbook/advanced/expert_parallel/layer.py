@@ -38,7 +38,22 @@ from dmlbook.advanced.expert_parallel.moe import MoEFeedForward, Routing
 from dmlbook.comm.alltoall import all_to_all_single, differentiable_all_to_all, exchange_sizes
 from dmlbook.comm.groups import even_block, group_rank_size
 
-__all__ = ["ExpertParallel", "ExpertParallelMoE", "apply_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelMoE", "Trip", "apply_expert_parallel"]
+
+
+@dataclass
+class Trip:
+    """One dispatch, what the combine needs to bring the results home: the rows this rank sent,
+    as (``token``, ``choice``) indices in sending order; the rows each rank sends to each local
+    expert (``incoming``, ranks x local experts); the rows sent to and received from each rank;
+    the received rows."""
+
+    token: torch.Tensor
+    choice: torch.Tensor
+    incoming: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    received: torch.Tensor
 
 
 class ExpertParallelMoE(nn.Module):
@@ -55,6 +70,7 @@ class ExpertParallelMoE(nn.Module):
         self.router = moe.router  # replicated: every rank routes its own tokens
         self.experts = nn.ModuleList(moe.experts[start:stop])  # this rank's experts only
         self.last_routing: Routing | None = None
+        self.last_trip: Trip | None = None
 
     @classmethod
     def from_moe(cls, moe: MoEFeedForward, group=None) -> ExpertParallelMoE:
@@ -73,34 +89,58 @@ class ExpertParallelMoE(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rank, world = group_rank_size(self.group)
+        """The round trip: route, dispatch, experts, combine (the module's docstring)."""
         self._check(x)
-        local = len(self.experts)
         tokens = x.reshape(-1, self.n_embd)  # (N, C): this rank's tokens
-        routing = self.last_routing = self.router(tokens)  # compute: route
+        routing = self.last_routing = self.router(tokens)  # compute: each token's k experts
+        trip = self.last_trip = self.dispatch(tokens, routing)  # communication: to the experts
+        y = self.run_experts(trip.received, trip.incoming)  # compute: each expert, its rows
+        return self.combine(y, trip, routing.weight, len(tokens)).view_as(x)  # communication
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The counts all-to-all, before the rows: ``counts`` (E,) holds how many rows this rank
+        sends to each expert; returns ``incoming`` (ranks, local experts): how many rows each
+        rank sends to each of this rank's experts. Every rank then knows how many rows arrive
+        from whom, so it can allocate the receive buffer and cut it into per-rank blocks."""
+        _, world = group_rank_size(self.group)
+        incoming = torch.empty_like(counts)  # block r: what rank r sends to my experts
+        all_to_all_single(incoming, counts.contiguous(), group=self.group)  # block j -> rank j
+        return incoming.view(world, len(self.experts))
+
+    def dispatch(self, tokens: torch.Tensor, routing: Routing) -> Trip:
+        """Each kept (token, expert) row to the rank that holds the expert: the counts first
+        (:meth:`exchange_counts`), then one all-to-all of the rows, sorted by expert (so by rank).
+        Backward, the rows' gradients come back by the reverse all-to-all."""
+        _, world = group_rank_size(self.group)
         token, choice = routing.order()  # kept assignments, sorted by expert, so by rank
         counts = routing.kept_per_expert  # (E,) rows this rank sends to each expert
-        # Communication: the counts first, so each rank knows how many rows come from whom.
-        incoming = torch.empty_like(counts)  # (world * local,): [source rank, local expert]
-        all_to_all_single(incoming, counts.contiguous(), group=self.group)
-        incoming = incoming.view(world, local)
-        send_splits = counts.view(world, local).sum(dim=1).tolist()
+        incoming = self.exchange_counts(counts)
+        send_splits = counts.view(world, -1).sum(dim=1).tolist()
         recv_splits = incoming.sum(dim=1).tolist()
-        # Communication: dispatch the rows to their experts' ranks.
         received = differentiable_all_to_all(tokens[token], recv_splits, send_splits, self.group)
-        # Compute: regroup by local expert (the rows arrive grouped by source rank), run each
-        # expert once on all its rows, and put the results back in arrival order.
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=x.device).repeat(world), incoming.reshape(-1)
-        )
-        by_expert = torch.sort(expert_of_row, stable=True).indices
-        rows = received[by_expert].split(incoming.sum(dim=0).tolist())
-        y = torch.cat([expert(r) for expert, r in zip(self.experts, rows, strict=True)])
-        y = torch.empty_like(y).index_copy(0, by_expert, y)  # arrival order again
-        # Communication: combine, each result back to its token's rank.
-        y = differentiable_all_to_all(y, send_splits, recv_splits, self.group)
-        y = y * routing.weight[token, choice].unsqueeze(-1)  # compute: gate-weighted sum
-        return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
+        return Trip(token, choice, incoming, send_splits, recv_splits, received)
+
+    def run_experts(self, received: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+        """Each local expert once, on all its rows from every rank. The rows arrive in blocks,
+        by source rank, then by local expert (``incoming``: rows per (rank, local expert)); each
+        expert runs on its block from every rank, and its results take the blocks' places, so
+        they leave in arrival order, as the reverse all-to-all needs."""
+        world, local = incoming.shape
+        blocks = list(received.split(incoming.reshape(-1).tolist()))  # block r * local + j
+        for j, expert in enumerate(self.experts):
+            mine = [r * local + j for r in range(world)]  # expert j's block from each rank
+            results = expert(torch.cat([blocks[b] for b in mine]))
+            for b, result in zip(mine, results.split([len(blocks[b]) for b in mine]), strict=True):
+                blocks[b] = result
+        return torch.cat(blocks)
+
+    def combine(self, y: torch.Tensor, trip: Trip, weight: torch.Tensor, n: int) -> torch.Tensor:
+        """The reverse all-to-all sends each result home (the splits swapped), in the order its
+        row left; there each is scaled by its gate weight and added into its token's output, row
+        ``trip.token[i]``: the ``n`` tokens come back in their original order."""
+        home = differentiable_all_to_all(y, trip.send_splits, trip.recv_splits, self.group)
+        home = home * weight[trip.token, trip.choice].unsqueeze(-1)  # (rows, C), gate-weighted
+        return home.new_zeros(n, home.shape[-1]).index_add(0, trip.token, home)
 
     def extra_repr(self) -> str:
         start, stop = self.expert_range
