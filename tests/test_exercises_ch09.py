@@ -1,8 +1,10 @@
 """Chapter 9's exercise checkers: right answers pass; planted bugs (column and row swapped, the
 nn.Linear orientation, interleaved blocks, the next rank's block, a remainder for the last rank
 instead of ValueError; a gather that autograd cannot see through, a backward that sums over the
-ranks, blocks in the wrong order, no gather at all) are caught with a message that says so, and an
-answer that calls the library is told it was switched off."""
+ranks or averages over them, the global rank used for the group rank, pieces for the world
+instead of the group, blocks in the wrong order, no gather at all) are caught with a message that
+says so, and an answer that calls the library (torch's autograd gathers too) is told it was
+switched off."""
 
 import pytest
 import torch
@@ -118,6 +120,50 @@ def gather_summing_in_backward(block, group):
     return _SummingGather.apply(block, group)
 
 
+class _AveragingGather(_Gather):  # right numbers, needless communication
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        grad /= dist.get_world_size()
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None
+
+
+def gather_averaging_in_backward(block, group):
+    return _AveragingGather.apply(block, group)
+
+
+class _GlobalRankGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, block, group):
+        ctx.rank, ctx.width = dist.get_rank(), block.shape[-1]  # the world's rank, not the group's
+        pieces = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, block.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None
+
+
+def gather_with_global_rank(block, group):
+    return _GlobalRankGather.apply(block, group)
+
+
+def gather_world_sized(block, group):
+    pieces = [torch.empty_like(block) for _ in range(dist.get_world_size())]  # the world's size
+    dist.all_gather(pieces, block.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
+
+
+def gather_functional_autograd(block, group):
+    from torch.distributed import _functional_collectives as fc
+
+    size = dist.get_world_size(group)
+    whole = fc.all_gather_tensor_autograd(block, gather_dim=block.dim() - 1, group=group)
+    return whole / size + (whole - whole / size).detach()  # backward's sum divided by p
+
+
 def gather_reversed(block, group):
     return torch.flip(gather(block, group).unflatten(-1, (-1, block.shape[-1])), (-2,)).flatten(-2)
 
@@ -151,8 +197,12 @@ def test_gather_last_dim_not_attempted():
     "answer, message",
     [
         (gather_without_autograd, "no gradient reached"),
-        (gather_summing_in_backward, "3 times the right one"),
-        (gather_reversed, "put rank r's block"),
+        (gather_summing_in_backward, "backward called torch.distributed.all_reduce"),
+        (gather_averaging_in_backward, "Backward needs no communication"),
+        (gather_with_global_rank, "global rank 1 is group rank 0"),
+        (gather_world_sized, "dist.get_world_size\\(group\\)"),
+        (gather_functional_autograd, "called the library instead"),
+        (gather_reversed, "put group rank i's block"),
         (gather_my_block_only, "this rank's block alone"),
         (gather_from_the_library, "called the library instead"),
         (gather_through_the_library_class, "called the library instead"),

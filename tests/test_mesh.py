@@ -1,7 +1,7 @@
 """Tests for dmlbook.advanced.composition.mesh: the groups of 2x2, 3x1, 1x3, 2x3 and 2x2x2 meshes;
 on real ranks the groups hold the ranks the table says (and the ranks torch's init_device_mesh
-puts together), a TP all-reduce adds exactly its row; DP x TP training of the char-GPT (through
-compose, on ``ProcessGroups(Layout(dp, tp))``) at 2x2 on 4 ranks, 1x3 and 3x1 on 3 ranks equals
+puts together), a TP all-reduce adds exactly its row; DP x TP training of the char-GPT
+(``train_hybrid`` on the ``DeviceMesh``) at 2x2 on 4 ranks, 1x3 and 3x1 on 3 ranks equals
 single-process training (losses and every parameter, float64); a mesh that does not match the
 world raises ValueError on every rank."""
 
@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.advanced.composition import mesh as mesh_lib
-from dmlbook.advanced.composition.layout import Layout, ProcessGroups
 from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import run
 from dmlbook.models import char_gpt
@@ -82,7 +81,6 @@ def _on_mesh(shapes, reference_result):
         mesh_lib.DeviceMesh((5, 1))
     except ValueError as error:
         out["bad_world"] = str(error)
-    cache: dict = {}  # the groups of every layout made in this process, by rank list
     for shape in shapes:
         mesh = mesh_lib.DeviceMesh(shape, ("dp", "tp"))
         torch_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
@@ -97,9 +95,8 @@ def _on_mesh(shapes, reference_result):
             )
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=mesh.group("tp"))
-        groups = ProcessGroups(Layout(dp=shape[0], tp=shape[1]), cache)
-        trained = mesh_lib.train_hybrid(make_gpt, batches(), groups, lr=1e-2)
-        expected = mesh_lib.shard_of(reference_result.model, groups)
+        trained = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
+        expected = mesh_lib.shard_of(reference_result.model, mesh)
         param_error = max(
             (a - b).abs().max().item()
             for a, b in zip(trained.model.parameters(), expected.parameters(), strict=True)
@@ -163,7 +160,7 @@ def test_a_mesh_that_does_not_match_the_world_raises_on_every_rank(world, shapes
 def test_single_rank_mesh_without_process_group():
     mesh = mesh_lib.DeviceMesh((1, 1))
     assert mesh.coordinate == {"dp": 0, "tp": 0} and mesh.group("tp") is None
-    result = mesh_lib.train_hybrid(make_gpt, batches(), ProcessGroups(Layout()), lr=1e-2)
+    result = mesh_lib.train_hybrid(make_gpt, batches(), mesh, lr=1e-2)
     assert result.losses == pytest.approx(reference().losses, abs=TOL)
     with pytest.raises(ValueError, match="no mesh dimension 'pp'"):
         mesh.size("pp")

@@ -303,8 +303,9 @@ def test_one_all_reduce_forward_and_one_backward_per_block_half(world):
     # embedding 1 + 2 per block forward, 2 for the loss; 2 per block backward
     assert ops.count(("all_reduce", "forward")) == 1 + 2 * 2 + 2
     assert ops.count(("all_reduce", "backward")) == 2 * 2 + 1  # + lm_head's input gradient
-    per_step = tp.communication_per_step(2, BATCH, SEQ, C, world)["all_reduces"]
-    assert per_step == 4 * 2
+    per_step = tp.communication_per_step(2, BATCH, SEQ, C, world)
+    assert per_step["parts"]["blocks"][0] == 4 * 2
+    assert per_step["all_reduces"] == len(ops)  # the whole step, as counted
 
 
 def test_tp_of_one_runs_no_collective():

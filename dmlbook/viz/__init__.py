@@ -10,9 +10,11 @@ per topic, each of which names the chapters that use it:
   and 13);
 * ``layouts``: ``gemm_split``, ``who_holds_what`` (chapter 9), ``zero_stages`` (chapter 9b),
   ``rank_grid``, ``expert_load``, ``ring_attention_blocks`` (chapter 13);
+* ``sharding``: ``gemm_splits``, ``tp_block``, ``attention_heads``, ``vocab_split`` (chapter 9),
+  ``zero_step`` (chapter 9b);
 * ``clients``: ``fedavg_round``, ``pairwise_masks`` (chapter 10), ``sample_owners`` (chapter 11);
-* ``elastic``: ``agents_and_workers`` and its ``Generation``, ``epoch_by_generation`` (chapter
-  11).
+* ``elastic``: ``agents_and_workers`` and its ``Generation``, ``epoch_by_generation``,
+  ``serving_pool`` (chapter 11).
 
 Each function returns the matplotlib ``Axes`` it drew on (``zero_stages``: its ``Figure``).
 """
@@ -20,7 +22,12 @@ Each function returns the matplotlib ``Axes`` it drew on (``zero_stages``: its `
 from dmlbook.viz.charts import bars, curves, spans, stacked_bars
 from dmlbook.viz.clients import fedavg_round, pairwise_masks, sample_owners
 from dmlbook.viz.collectives import all_to_all_dispatch, chunk_grid, message_schedule
-from dmlbook.viz.elastic import Generation, agents_and_workers, epoch_by_generation
+from dmlbook.viz.elastic import (
+    Generation,
+    agents_and_workers,
+    epoch_by_generation,
+    serving_pool,
+)
 from dmlbook.viz.layouts import (
     expert_load,
     gemm_split,
@@ -41,6 +48,7 @@ __all__ = [
     "chunk_grid",
     "curves",
     "epoch_by_generation",
+    "serving_pool",
     "expert_load",
     "fedavg_round",
     "gantt",
@@ -57,6 +65,12 @@ __all__ = [
     "zero_stages",
 ]
 
-from dmlbook.viz.sharding import gemm_splits, tp_block, zero_step  # noqa: E402 (chapters 9, 9b)
+from dmlbook.viz.sharding import (  # noqa: E402 (chapters 9, 9b)
+    attention_heads,
+    gemm_splits,
+    tp_block,
+    vocab_split,
+    zero_step,
+)
 
-__all__ += ["gemm_splits", "tp_block", "zero_step"]
+__all__ += ["attention_heads", "gemm_splits", "tp_block", "vocab_split", "zero_step"]

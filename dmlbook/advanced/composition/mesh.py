@@ -14,12 +14,13 @@ keeps the ones it belongs to. The last dimension varies
 fastest: with ``("dp", "tp")`` the TP groups are neighbouring ranks, which on GPUs are the GPUs of
 one machine, joined by NVLink, as Megatron-LM places them.
 
-:func:`hybrid_step` is one training step on such a grid, a ``Layout(dp=..., tp=...)``: forward
-and backward of the rank's tensor-parallel shard (chapter 9's plan, communicating inside its TP
-group), then the gradients averaged over its DP group, then the optimizer's step.
-:func:`train_hybrid` runs it on the char-GPT of :mod:`dmlbook.models`, each rank on its DP share
-of every batch. (Chapter 13's :func:`~dmlbook.advanced.composition.compose.compose` builds the
-same thing with more dimensions, and ZeRO-1 over DP.)
+:func:`hybrid_step` is one training step on such a grid: forward and backward of the rank's
+tensor-parallel shard (chapter 9's plan, communicating inside its TP group), then the gradients
+averaged over its DP group, then the optimizer's step. :func:`train_hybrid` runs it on the
+char-GPT of :mod:`dmlbook.models` on a :class:`DeviceMesh`, each rank on its DP share of every
+batch, and averages the shares' losses over DP into the whole batch's. (Chapter 13's
+:func:`~dmlbook.advanced.composition.compose.compose` builds the same thing with more
+dimensions, and ZeRO-1 over DP.)
 :func:`~dmlbook.data_parallel.loop.train_reference` (Adam, whole batches) is the single-process
 run it equals.
 """
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.composition.layout import ProcessGroups, _check_shape, mesh_groups
+from dmlbook.advanced.composition.layout import mesh_groups
 from dmlbook.advanced.composition.plan import tensor_parallel_char_gpt
 from dmlbook.comm import gloo_thread
 from dmlbook.comm.groups import local_rows
@@ -60,7 +61,7 @@ class DeviceMesh:
     """
 
     def __init__(self, shape: Sequence[int], dim_names: Sequence[str] = ("dp", "tp")) -> None:
-        _check_shape(shape, dim_names)
+        rank_lists = mesh_groups(shape, dim_names)  # dimension -> every group's ranks (checked)
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         if math.prod(shape) != world:
@@ -69,7 +70,7 @@ class DeviceMesh:
                 f"but the world has {world}"
             )
         self.shape, self.dim_names, self.rank = tuple(shape), tuple(dim_names), rank
-        self.rank_lists = mesh_groups(shape, dim_names)  # dimension -> every group's ranks
+        self.rank_lists = rank_lists
         self.coordinate = self.coordinate_of(rank)
         self._groups = {}
         for name in dim_names:  # same order on every rank, as dist.new_group requires
@@ -128,7 +129,8 @@ def hybrid_step(
 ) -> float:
     """One DP x TP training step (chapter 9): forward and backward of this rank's tensor-parallel
     shard on its DP share of the batch (the layers' f and g all-reduce inside the TP group), the
-    gradients averaged over the DP group, then the optimizer's step. Returns this rank's loss."""
+    gradients averaged over the DP group, then the optimizer's step. Returns the loss of this
+    rank's share (the same on every rank of its TP group)."""
     idx, targets = batch  # (B / dp, T): this rank's rows of the global batch
     optimizer.zero_grad()
     _, loss = model(idx, targets)  # forward: g all-reduces each block's halves over TP
@@ -145,27 +147,27 @@ def hybrid_step(
 def train_hybrid(
     make_model: Callable[[], CharGPT],
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    groups: ProcessGroups,
+    mesh: DeviceMesh,
     lr: float = 1e-2,
 ) -> TrainResult:
-    """DP x TP training on ``groups = ProcessGroups(Layout(dp=..., tp=...))``: every rank builds
-    the whole model from the same seed, keeps its TP shard (chapter 9's plan) and runs
-    :func:`hybrid_step` with Adam on its DP share of each batch. Returns the global loss per step
-    and this rank's shard."""
-    layout = groups.layout
-    if (layout.pp, layout.cp, layout.ep) != (1, 1, 1):
-        raise ValueError(f"train_hybrid is DP x TP; layout {layout} has pp, cp or ep > 1")
-    model = tensor_parallel_char_gpt(make_model(), group=groups.tp)  # this rank's TP shard
+    """DP x TP training on ``mesh = DeviceMesh((dp, tp), ("dp", "tp"))``: every rank builds the
+    whole model from the same seed, keeps its TP shard (chapter 9's plan) and runs
+    :func:`hybrid_step` with Adam on its DP share of each batch. Returns the whole batch's mean
+    loss per step and this rank's shard."""
+    tp_group, dp_group, dp = mesh.group("tp"), mesh.group("dp"), mesh.size("dp")
+    model = tensor_parallel_char_gpt(make_model(), group=tp_group)  # this rank's TP shard
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    mine = [local_rows(tuple(batch), groups.dp) for batch in batches]  # my DP share of each
-    losses = torch.tensor([hybrid_step(model, b, optimizer, groups.dp) for b in mine],
-                          dtype=torch.float64)  # fmt: skip
-    if layout.dp > 1:
-        dist.all_reduce(losses, group=groups.dp)  # communication: the global loss, for the curve
-        losses /= layout.dp
+    losses = []
+    for batch in batches:
+        mine = local_rows(tuple(batch), dp_group)  # rows [d B/dp, (d+1) B/dp) at DP coordinate d
+        losses.append(hybrid_step(model, mine, optimizer, dp_group))
+    losses = torch.tensor(losses, dtype=torch.float64)  # the mean loss of my DP share, per step
+    if dp > 1:  # communication: the mean of the DP shares' equal-sized means = the batch's mean
+        dist.all_reduce(losses, group=dp_group)
+        losses /= dp
     return TrainResult(losses.tolist(), model)
 
 
-def shard_of(model: CharGPT, groups: ProcessGroups) -> nn.Module:
+def shard_of(model: CharGPT, mesh: DeviceMesh) -> nn.Module:
     """This rank's TP shard of an unsplit model (to compare a hybrid run with the reference)."""
-    return tensor_parallel_char_gpt(model, group=groups.tp)
+    return tensor_parallel_char_gpt(model, group=mesh.group("tp"))

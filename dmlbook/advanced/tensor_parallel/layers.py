@@ -15,7 +15,8 @@ all-reduce forward and one backward (Shoeybi et al. 2019, "Megatron-LM"). The co
 :func:`copy_to_tensor_parallel` (identity forward, all-reduce backward: Megatron's ``f``) and
 :func:`reduce_from_tensor_parallel` (the reverse: ``g``), and the pair that joins or cuts the last
 dimension; inside ``with counting() as comms:`` every collective is recorded, so the notebook can
-count them per layer and pass. :func:`communication_per_step` is the count in closed form.
+count them per layer and pass. :func:`communication_per_step` is a whole step's count in closed
+form.
 
 On top of them, here: :class:`ParallelMLP` and :class:`ParallelSelfAttention` (heads split across
 the ranks, causal); in :mod:`~dmlbook.advanced.tensor_parallel.vocab_parallel`,
@@ -101,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.out_range = (start, stop)
+        self.rows = torch.arange(start, stop)  # the unsplit weight's rows (outputs) held here
         self.weight = nn.Parameter(torch.empty(stop - start, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(stop - start, dtype=dtype)) if bias else None
         _init_uniform(self.weight.data, in_features)
@@ -129,6 +131,7 @@ class ColumnParallelLinear(nn.Module):
             layer.weight.copy_(linear.weight[rows])
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias[rows])
+        layer.rows = rows
         if parts > 1:
             layer.out_range = None  # not one contiguous range: a block of each part
         return layer
@@ -292,15 +295,33 @@ class ParallelSelfAttention(nn.Module):
 
 def communication_per_step(
     n_layer: int, batch: int, seq: int, n_embd: int, tp: int, element_size: int = 4
-) -> dict[str, float]:
-    """All-reduces and bytes each rank sends per training step for the ``n_layer`` transformer
-    blocks of a Megatron model: 2 all-reduces of ``batch x seq x n_embd`` forward per block
-    (attention, MLP) and 2 backward; a ring all-reduce sends 2 (p - 1) / p of the tensor."""
+) -> dict:
+    """All-reduces and bytes each rank sends per training step of a Megatron GPT (the char-GPT
+    under chapter 9's plan) at tensor-parallel size ``tp``, by part:
+
+    * ``blocks``: per block, attention's and the MLP's ``g`` forward and ``f`` backward, 4
+      all-reduces of one ``(batch, seq, n_embd)`` activation;
+    * ``embedding``: the vocab-parallel embedding's all-reduce forward, one activation;
+    * ``lm_head``: its ``f`` backward (the head is column-parallel), one activation;
+    * ``cross_entropy``: two forward, of one and of two numbers per token.
+
+    A ring all-reduce of n bytes sends 2 (p - 1) / p n per rank (chapter 2). Returns
+    ``{"parts": {part: (all-reduces, bytes)}, "all_reduces": total, "bytes_sent_per_rank":
+    total}``; at ``tp = 1`` every count is 0."""
     if tp < 1 or n_layer < 0:
         raise ValueError(f"need tp >= 1 and n_layer >= 0, got tp={tp}, n_layer={n_layer}")
-    count = 4 * n_layer if tp > 1 else 0
-    nbytes = batch * seq * n_embd * element_size
+    tokens = batch * seq
+    activation = tokens * n_embd * element_size
+    ring = 2 * (tp - 1) / tp  # 0 at tp = 1: nothing to send
+    on = 1 if tp > 1 else 0  # at tp = 1 the operators skip the call
+    parts = {
+        "blocks": (4 * n_layer * on, 4 * n_layer * ring * activation),
+        "embedding": (on, ring * activation),
+        "lm_head": (on, ring * activation),
+        "cross_entropy": (2 * on, ring * 3 * tokens * element_size),
+    }
     return {
-        "all_reduces": count,
-        "bytes_sent_per_rank": count * 2 * (tp - 1) / tp * nbytes,
+        "parts": parts,
+        "all_reduces": sum(count for count, _ in parts.values()),
+        "bytes_sent_per_rank": sum(nbytes for _, nbytes in parts.values()),
     }
