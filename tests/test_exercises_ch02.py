@@ -1,7 +1,8 @@
 """Chapter 2's exercise checkers: a ring all-gather and binomial-tree broadcasts pass; planted bugs
-(an off-by-one chunk index, a missing step, a non-ring pattern, a broadcast from the root alone or
-down a chain, a tree rooted at rank 0, a built-in collective or another one standing in for it)
-fail with a message that says so."""
+(an off-by-one chunk index, a missing step, the own entry never filled, blocking sends first, a
+non-ring pattern, entries replaced instead of filled, a forged result, a broadcast from the root
+alone or down a chain, a tree rooted at rank 0 or sending past the last rank, a built-in
+collective or another one standing in for it) fail with a message that names the cause."""
 
 import pytest
 import torch
@@ -56,6 +57,59 @@ def all_gather_missing_step(tensor_list, tensor):
         request.wait()
 
 
+def all_gather_without_own_entry(tensor_list, tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # planted: tensor_list[rank] is never filled with tensor
+    for step in range(world - 1):
+        request = dist.isend(tensor_list[(rank - step) % world], (rank + 1) % world)
+        dist.recv(tensor_list[(rank - step - 1) % world], (rank - 1) % world)
+        request.wait()
+
+
+def all_gather_blocking_send_first(tensor_list, tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensor_list[rank].copy_(tensor)
+    for step in range(world - 1):
+        dist.send(tensor_list[(rank - step) % world], (rank + 1) % world)  # planted: blocks
+        dist.recv(tensor_list[(rank - step - 1) % world], (rank - 1) % world)
+
+
+def all_gather_replacing_entries(tensor_list, tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensor_list[rank] = tensor.clone()  # planted: a new tensor, not the one given
+    for step in range(world - 1):
+        incoming = torch.empty_like(tensor)
+        request = dist.isend(tensor_list[(rank - step) % world], (rank + 1) % world)
+        dist.recv(incoming, (rank - 1) % world)
+        request.wait()
+        tensor_list[(rank - step - 1) % world] = incoming
+
+
+def all_gather_not_stored(tensor_list, tensor):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensor_list[rank].copy_(tensor)
+    incoming = torch.empty_like(tensor)
+    outgoing = tensor.clone()
+    for _ in range(world - 1):
+        request = dist.isend(outgoing, (rank + 1) % world)
+        dist.recv(incoming, (rank - 1) % world)
+        request.wait()
+        outgoing = incoming.clone()  # planted: never copied into tensor_list
+
+
+def all_gather_forged(tensor_list, tensor):
+    """The forgery a learner found when the inputs were fixed: the values written from a
+    formula, and p - 1 messages of zeros to the right for the pattern."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for j, out in enumerate(tensor_list):
+        out.copy_(j + 0.5 + 0.0 * tensor)
+    zeros = torch.zeros_like(tensor)
+    for _ in range(world - 1):
+        request = dist.isend(zeros, (rank + 1) % world)
+        dist.recv(torch.empty_like(tensor), (rank - 1) % world)
+        request.wait()
+
+
 def all_gather_everyone_to_everyone(tensor_list, tensor):
     rank, world = dist.get_rank(), dist.get_world_size()
     tensor_list[rank].copy_(tensor)
@@ -81,6 +135,11 @@ def all_gather_by_all_reduce(tensor_list, tensor):
         out.copy_(got)
 
 
+def test_a_deadlock_is_reported_soon():
+    """A right answer finishes in about a second: the checks wait 8 s, not the launcher's 60."""
+    assert ch02.TIMEOUT <= 10
+
+
 def test_ring_all_gather_passes_the_ring(capsys):
     assert ch02.check_ring_all_gather(ring_all_gather).status == "passed"
     assert "Exercise 'ring_all_gather' passed" in capsys.readouterr().out
@@ -92,9 +151,20 @@ def test_ring_all_gather_passes_the_ring(capsys):
         (
             all_gather_off_by_one,
             r"tensor_list\[0\] should hold rank 0's(.|\n)*"
-            r"ran world_size - 1 = 1 steps, so none is missing(.|\n)*off by one",
+            r"rank 1's tensor(.|\n)*landed in the wrong entry: an index is off by one",
         ),
         (all_gather_missing_step, "does the loop run world_size - 1 steps \\(1 here\\)"),
+        (
+            all_gather_without_own_entry,
+            r"tensor_list\[0\](.|\n)*own entry tensor_list\[rank\] was never filled",
+        ),
+        (all_gather_blocking_send_first, r"ranks \[0, 1\] all wait in a blocking dist.send"),
+        (all_gather_replacing_entries, "holds other tensors than the ones it was given"),
+        (all_gather_not_stored, r"tensor did arrive, at step 0, but never reached tensor_list"),
+        (
+            all_gather_forged,
+            r"should hold rank 0's tensor .* but holds \[0.5(.|\n)*holds something else",
+        ),
         (all_gather_everyone_to_everyone, "not a ring: at world size 3 rank 0 sent to ranks"),
         (all_gather_builtin, "called the library instead: torch.distributed.all_gather is"),
         (all_gather_by_all_reduce, "called the library instead: .*all_reduce is switched off"),
@@ -161,6 +231,22 @@ def broadcast_rooted_at_zero(tensor, src):
     tree_broadcast(tensor, 0)
 
 
+def broadcast_past_the_last_rank(tensor, src):
+    """Planted: no me + mask < world guard, so a send wraps round to a rank that is done."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = (rank - src) % world
+    mask = 1
+    while mask < world:
+        if me & mask:
+            dist.recv(tensor, (me - mask + src) % world)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        dist.send(tensor, (me + mask + src) % world)
+        mask >>= 1
+
+
 def broadcast_builtin(tensor, src):
     dist.broadcast(tensor, src)
 
@@ -183,6 +269,11 @@ def test_tree_broadcast_passes_both_binomial_trees():
         (broadcast_from_the_root, "not a tree: .*round 3.*the root sends to every rank itself"),
         (broadcast_chain, "not a tree: .*round 3.*a chain"),
         (broadcast_rooted_at_zero, "holds .*rank 0's.*Your tree is rooted at rank 0"),
+        (
+            broadcast_past_the_last_rank,
+            r"on 3 ranks .* after \d+ s: rank 2 waits in dist.send to rank 0, which never "
+            r"receives from it \(rank 0 has returned\)(.|\n)*can be world_size or more",
+        ),
         (broadcast_builtin, "called the library instead: torch.distributed.broadcast is switched"),
         (broadcast_by_all_reduce, "called the library instead: .*all_reduce is switched off"),
     ],

@@ -226,6 +226,30 @@ def test_async_and_bounded_staleness_converge_within_their_bound():
             assert max(gaps) <= bound
             # Between a worker's pull and its push, each other worker pushes at most 2k + 1 times.
             assert max(server.staleness) <= (2 * bound + 1) * (len(workers) - 1)
+        # The server's timeline: every step of every worker, a pull, its answer and a push; the
+        # fast workers' pulls held back under a bound (they wait for the straggler), none async.
+        for w in workers:
+            kinds = [k for v, k, _ in server.timeline if v == w.rank]
+            assert [kinds.count(k) for k in ("pull", "reply", "push")] == [w.steps] * 3
+        held = server.held_pulls()
+        fast_held = [h for h in held if h[0] != workers[0].rank]
+        assert held == [] if bound is None else len(fast_held) > 0
+        assert all(seconds >= 0 for _, _, seconds in held)
+
+
+def test_held_pulls_are_those_answered_after_other_requests():
+    timeline = [
+        (1, "pull", 0.0),
+        (1, "reply", 0.001),  # answered at once
+        (2, "pull", 0.002),
+        (1, "push", 0.010),
+        (2, "reply", 0.011),  # answered only after worker 1's push: held 9 ms
+        (2, "push", 0.020),
+    ]
+    result = ps.ServerResult(0, [(0, 1)], torch.zeros(1), 2, [0, 0], [0, 0], ps.Traffic(), 0.0)
+    result.timeline = timeline
+    (held,) = result.held_pulls()
+    assert held[:2] == (2, 0) and held[2] == pytest.approx(0.009)
 
 
 def dying_worker(report, die_at):

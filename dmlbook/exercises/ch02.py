@@ -12,29 +12,39 @@
 Both run the learner's function on real ranks at world sizes 2, 3 and 4 (:func:`run_answer`).
 There, the collectives that do the job (``writes``: dmlbook's and torch's) are switched off, and
 so is every other collective that could stand in for one (an all-reduce of a zero-padded buffer
-is an all-gather), so an answer that calls one is told to build it from send and receive. Every
-message is recorded, so the checker can say "right answer, but not a ring" when a rank talks to
-anyone but its right neighbour, or "right answer, but not a tree" when a rank gets the tensor
-only after more than ceil(log2 p) rounds.
+is an all-gather), so an answer that calls one is told to build it from send and receive. Each
+rank's input is drawn at random on that rank, afresh every check, so the only way another rank
+can learn it is a message. Every message is recorded (its peer, its bytes, what it carried), so
+the checker can say "right answer, but not a ring" when a rank talks to anyone but its right
+neighbour, "not a tree" when a rank gets the tensor only after more than ceil(log2 p) rounds, and
+where a tensor went astray. Each rank also keeps a journal of its blocking sends and receives, so
+that a deadlock is explained by who waits for whom.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dmlbook.exercises import ExerciseFailed, checker, learner_code, run_answer, switched_off
+from dmlbook.launch import RankTimeoutError
 
 __all__ = ["check_ring_all_gather", "check_tree_broadcast"]
 
 # (world size, elements per rank's tensor): one launch each, lengths varied
 CASES = ((2, 3), (3, 1), (4, 2))
 WORLD_SIZES = tuple(world for world, _ in CASES)
-TIMEOUT = 20.0  # seconds: a wrong schedule usually leaves a rank waiting for a message
+# seconds per launch: right answers finish in about one, so a wrong schedule that leaves a rank
+# waiting for a message is reported soon
+TIMEOUT = 8.0
 
 # Every other collective, torch's and dmlbook's, is off on the ranks too: any of them can stand
 # in for the one the exercise asks for.
@@ -73,39 +83,55 @@ ANY_COLLECTIVE = tuple(
 )
 
 
-def _value(rank: int, index: int, n: int) -> torch.Tensor:
-    """A tensor that says whose it is: rank 2's chunk 1 of length 3 is [201.0, 201.01, 201.02]."""
-    return 100.0 * rank + index + 0.01 * torch.arange(n, dtype=torch.float32)
+def _random_input(rank: int, n: int) -> torch.Tensor:
+    """This rank's input: rank + a uniform draw, seeded from the operating system on this rank,
+    so no other rank (and no earlier run) can know it: rank 2's might be [2.71, 2.05, 2.93]."""
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+    return rank + torch.rand(n, generator=generator)
 
 
-def _on_rank(run_one: Callable, fn: Callable, *args) -> object:
+def _on_rank(run_one: Callable, fn: Callable, journal: str, *args) -> object:
     """Run ``run_one(fn, recorded, *args)`` on this rank with every collective off. Each call of
-    ``recorded()`` starts a new record of the messages: (dst, bytes) of each send, the source of
-    each receive."""
+    ``recorded()`` starts a new record of the messages: (dst, bytes, a copy of what it carried)
+    of each send, (source, the tensor received into) of each receive. The blocking calls are
+    also written to the file ``journal/<rank>`` as they start and end, and the record's
+    ``returned()`` writes there that the learner's function has returned, so that the checker
+    can read who waits for whom if the ranks hang."""
     originals = (dist.send, dist.isend, dist.recv, dist.irecv)
     send, isend, recv, irecv = originals
+    rank = dist.get_rank()
+    lines = open(Path(journal) / str(rank), "a", buffering=1)  # noqa: SIM115  # closed below
 
-    def recorded() -> dict[str, list]:
-        log: dict[str, list] = {"sent": [], "received": []}
+    def recorded() -> dict:
+        log: dict = {"sent": [], "received": [], "returned": lambda: lines.write("done\n")}
 
-        def sending(original):
+        def sending(original, blocking: bool):
             @functools.wraps(original)
-            def wrapper(tensor, dst=None, *args, **kwargs):
-                log["sent"].append((dst, tensor.numel() * tensor.element_size()))
-                return original(tensor, dst, *args, **kwargs)
-
-            return wrapper
-
-        def receiving(original, returns_source: bool):
-            @functools.wraps(original)
-            def wrapper(tensor, src=None, *args, **kwargs):
-                result = original(tensor, src, *args, **kwargs)
-                log["received"].append(result if src is None and returns_source else src)
+            def recorded_send(tensor, dst=None, *args, **kwargs):
+                log["sent"].append((dst, tensor.numel() * tensor.element_size(), tensor.clone()))
+                if not blocking:
+                    return original(tensor, dst, *args, **kwargs)
+                lines.write(f"send {dst}\n")
+                result = original(tensor, dst, *args, **kwargs)
+                lines.write("end\n")
                 return result
 
-            return wrapper
+            return recorded_send
 
-        dist.send, dist.isend = sending(send), sending(isend)
+        def receiving(original, blocking: bool):
+            @functools.wraps(original)
+            def recorded_recv(tensor, src=None, *args, **kwargs):
+                if blocking:
+                    lines.write(f"recv {src}\n")
+                result = original(tensor, src, *args, **kwargs)
+                if blocking:
+                    lines.write("end\n")
+                log["received"].append((result if src is None and blocking else src, tensor))
+                return result
+
+            return recorded_recv
+
+        dist.send, dist.isend = sending(send, True), sending(isend, False)
         dist.recv, dist.irecv = receiving(recv, True), receiving(irecv, False)
         return log
 
@@ -114,16 +140,86 @@ def _on_rank(run_one: Callable, fn: Callable, *args) -> object:
             return run_one(fn, recorded, *args)
         finally:
             dist.send, dist.isend, dist.recv, dist.irecv = originals
+            lines.close()
 
 
-def _describe(t: torch.Tensor) -> str:
-    """Name a tensor by the rank and index its values encode, if they encode one."""
+def _run_checked(rank_fn: Callable, world: int, fn: Callable, n: int, timeout: float, call: str,
+                 deadlock_hint: Callable[[dict, int], str | None]) -> list:  # fmt: skip
+    """``run_answer`` with a journal: a hang becomes a failure that says who waits for whom."""
+    journal = tempfile.mkdtemp(prefix="dmlbook-ch02-")
+    try:
+        return run_answer(rank_fn, world, fn, journal, n, timeout=timeout)
+    except RankTimeoutError as error:
+        hint = deadlock_hint(_blocked(journal, world), world)
+        if hint is None:
+            raise
+        raise ExerciseFailed(
+            f"{call} was still running on ranks {error.ranks} after {timeout:g} s: {hint}"
+        ) from error
+    finally:
+        shutil.rmtree(journal, ignore_errors=True)
+
+
+def _blocked(journal: str, world: int) -> dict[int, tuple[str, int | None]]:
+    """Where each rank was when the timeout came: ("send", dst) or ("recv", src) for a blocking
+    call that never returned, ("done", None) when the learner's function had returned, else
+    ("elsewhere", None) (waiting on an isend/irecv, or computing)."""
+    where = {}
+    for rank in range(world):
+        path = Path(journal) / str(rank)
+        lines = path.read_text().splitlines() if path.exists() else []
+        last = lines[-1].split() if lines else []
+        if last and last[0] in ("send", "recv"):
+            where[rank] = (last[0], None if last[1] == "None" else int(last[1]))
+        elif last == ["done"]:
+            where[rank] = ("done", None)
+        else:
+            where[rank] = ("elsewhere", None)
+    return where
+
+
+def _who_waits(where: dict[int, tuple[str, int | None]]) -> str | None:
+    """The deadlock's cause read off the journals, or None when they do not show it."""
+    sending = [r for r, (what, _) in where.items() if what == "send"]
+    if sending and all(where[r][0] == "send" for r in where if where[r][0] != "done"):
+        if all(where[where[r][1]][0] == "send" for r in sending if where[r][1] in where):
+            return (
+                f"ranks {sending} all wait in a blocking dist.send, each for its peer to receive, "
+                "while that peer is itself sending. A blocking send returns only once the other "
+                "side receives: post the send with dist.isend, then recv, then wait() on the "
+                "send's request"
+            )
+    for r, (what, peer) in where.items():
+        if peer not in where:
+            continue
+        other = where[peer][0]
+        if what == "send" and other != "recv":
+            state = "has returned" if other == "done" else "waits for something else"
+            return (
+                f"rank {r} waits in dist.send to rank {peer}, which never receives from it "
+                f"(rank {peer} {state}): every send needs a matching recv on the rank it names"
+            )
+        if what == "recv" and other == "done":
+            return (
+                f"rank {r} waits in dist.recv for a message from rank {peer}, which returned "
+                f"without sending it: every recv needs a matching send"
+            )
+    return None
+
+
+def _describe(t: object, inputs: list[torch.Tensor]) -> str:
+    """Name a tensor by the rank whose input it is, if it is one."""
     if not isinstance(t, torch.Tensor):
         return f"a {type(t).__name__}"
     if torch.isnan(t).any():
         return "NaN: never written, or a copy of an entry its sender had not filled yet"
-    first = t.flatten()[0].item()
-    return f"{t.flatten()[:3].tolist()}" + (f" (rank {int(first // 100)}'s)" if first >= 0 else "")
+    whose = [j for j, x in enumerate(inputs) if x.shape == t.shape and torch.equal(t, x)]
+    values = [round(v, 2) for v in t.flatten()[:3].tolist()]
+    return f"rank {whose[0]}'s tensor {values}" if whose else f"{values}, no rank's tensor"
+
+
+def _short(t: torch.Tensor) -> list[float]:
+    return [round(v, 2) for v in t.flatten()[:3].tolist()]
 
 
 # --------------------------------------------------------------------------- 1. all-gather
@@ -131,7 +227,7 @@ def _describe(t: torch.Tensor) -> str:
 
 def _check_ring(report: dict, rank: int, world: int, n_bytes: int, what: str) -> None:
     right = (rank + 1) % world
-    others = sorted({dst for dst, _ in report["sent"] if dst != right}, key=str)
+    others = sorted({dst for dst, _, _ in report["sent"] if dst != right}, key=str)
     if others:
         raise ExerciseFailed(
             f"right answer, but not a ring: at world size {world} rank {rank} sent to ranks "
@@ -142,23 +238,37 @@ def _check_ring(report: dict, rank: int, world: int, n_bytes: int, what: str) ->
             f"right answer, but rank {rank} sent {len(report['sent'])} messages at world size "
             f"{world}; a ring {what} needs exactly world_size - 1 = {world - 1}"
         )
-    if any(nbytes != n_bytes for _, nbytes in report["sent"]):
+    if any(nbytes != n_bytes for _, nbytes, _ in report["sent"]):
         raise ExerciseFailed(
-            f"right answer, but rank {rank} sent messages of {[b for _, b in report['sent']]} "
-            f"bytes; each step of a ring {what} moves one chunk ({n_bytes} bytes)"
+            f"right answer, but rank {rank} sent messages of "
+            f"{[b for _, b, _ in report['sent']]} bytes; each step of a ring {what} moves one "
+            f"chunk ({n_bytes} bytes)"
         )
 
 
 def _all_gather_once(fn: Callable, recorded: Callable, n: int) -> dict:
     log = recorded()
     rank, world = dist.get_rank(), dist.get_world_size()
+    mine = _random_input(rank, n)
     out = [torch.full((n,), float("nan")) for _ in range(world)]
-    fn(out, _value(rank, 0, n))
-    return {"out": out, "sent": log["sent"]}
+    slots = list(out)
+    fn(out, mine.clone())
+    log["returned"]()
+    return {
+        "input": mine,
+        "out": out,
+        "replaced": len(out) != world or any(a is not b for a, b in zip(out, slots, strict=False)),
+        "sent": log["sent"],
+        "received": [(src, t.clone()) for src, t in log["received"]],
+    }
 
 
-def _all_gather_on_rank(fn: Callable, n: int) -> dict:
-    return _on_rank(_all_gather_once, fn, n)
+def _all_gather_on_rank(fn: Callable, journal: str, n: int) -> dict:
+    return _on_rank(_all_gather_once, fn, journal, n)
+
+
+def _all_gather_deadlock(where: dict, world: int) -> str | None:
+    return _who_waits(where)
 
 
 @checker(
@@ -174,42 +284,85 @@ def _all_gather_on_rank(fn: Callable, n: int) -> dict:
 def check_ring_all_gather(
     fn: Callable[[list, torch.Tensor], None], timeout: float = TIMEOUT
 ) -> str:
-    """Check ``fn(tensor_list, tensor)``: every rank's ``tensor_list[j]`` becomes rank j's tensor,
-    built from send/recv as a ring, at world sizes 2, 3 and 4."""
+    """Check ``fn(tensor_list, tensor)``: every rank's ``tensor_list[j]`` (given filled with NaN)
+    becomes rank j's tensor, in place, built from send/recv as a ring, at world sizes 2, 3 and
+    4, each rank's tensor drawn at random on that rank."""
     for world, n in CASES:
         call = f"your all_gather on {world} ranks with tensors of {n} elements"
         with learner_code(call):
-            reports = run_answer(_all_gather_on_rank, world, fn, n, timeout=timeout)
+            reports = _run_checked(
+                _all_gather_on_rank, world, fn, n, timeout, call, _all_gather_deadlock
+            )
+        inputs = [r["input"] for r in reports]
         for rank, report in enumerate(reports):
-            for j, got in enumerate(report["out"]):
-                want = _value(j, 0, n)
-                if not (isinstance(got, torch.Tensor) and torch.equal(got, want)):
+            if report["replaced"]:
+                raise ExerciseFailed(
+                    f"{call}: on rank {rank}, tensor_list holds other tensors than the ones it "
+                    "was given (an entry was assigned, or the list resized). Fill the tensors "
+                    "the list holds, in place: recv into them, or copy_ into them, as "
+                    "dist.all_gather does"
+                )
+            for j in [rank] + [j for j in range(world) if j != rank]:  # its own entry first
+                got = report["out"][j]
+                if not torch.equal(got, inputs[j]):
                     raise ExerciseFailed(
                         f"{call}: on rank {rank}, tensor_list[{j}] should hold rank {j}'s "
-                        f"tensor {want[:3].tolist()}, but holds {_describe(got)}"
-                        + _missing_step_hint(report, world)
+                        f"tensor {_short(inputs[j])}, but holds {_describe(got, inputs)}"
+                        + _all_gather_hint(report, rank, j, world, inputs)
                     )
             _check_ring(report, rank, world, n * 4, "all-gather")
     return f"ring all-gather right at world sizes {WORLD_SIZES}, p-1 messages to the right"
 
 
-def _missing_step_hint(report: dict, world: int) -> str:
-    """Name the cause: too few steps, or the right number of steps with an index off by one."""
-    missing = sum(bool(torch.isnan(t).any()) for t in report["out"])
-    if len(report["sent"]) == world - 1:  # the loop ran every step: an index is wrong
-        written = f" ({missing} of the {world} entries hold NaN)" if missing else ""
+def _all_gather_hint(report: dict, rank: int, j: int, world: int, inputs: list) -> str:
+    """Name the cause of a wrong ``tensor_list[j]`` on ``rank``, from what it sent and got."""
+    got = report["out"][j]
+    arrivals = [
+        (step, k)
+        for step, (_, t) in enumerate(report["received"])
+        for k, x in enumerate(inputs)
+        if t.shape == x.shape and torch.equal(t, x)
+    ]
+    nan_sent = [s for s, (_, _, t) in enumerate(report["sent"]) if torch.isnan(t).any()]
+    whose = [k for k, x in enumerate(inputs) if x.shape == got.shape and torch.equal(got, x)]
+    if whose:
+        k = whose[0]
+        step = next((s for s, kk in arrivals if kk == k), None)
+        when = f", which arrived at your step {step}," if step is not None else ""
         return (
-            f".\nYour loop ran world_size - 1 = {world - 1} steps, so none is missing{written}: "
-            "a chunk index is off by one. Rank r starts holding only its own entry r, so that is "
-            "what it sends at step 0; at step s it sends what it received at step s - 1, and "
-            "what arrives from the left is the entry the left neighbour sent"
+            f".\nRank {k}'s tensor{when} landed in the wrong entry: an index is off by one. "
+            "At step s the entry arriving from the left is the one the left neighbour sent at "
+            "its step s, and each rank sends at step s the entry it received at step s - 1 "
+            "(at step 0: its own)"
         )
-    if missing:
+    if j == rank:
+        never = "was never filled" if torch.isnan(got).any() else "holds something else"
         return (
-            f".\n{missing} of the {world} entries hold NaN on this rank: does the "
-            f"loop run world_size - 1 steps ({world - 1} here)?"
+            f".\nThe list comes filled with NaN, and your own entry tensor_list[rank] {never}: "
+            "copy your tensor into it first (tensor_list[rank].copy_(tensor)); at step 0 that is "
+            "the entry you send"
         )
-    return ""
+    if nan_sent:
+        return (
+            f".\nAt step {nan_sent[0]} this rank sent an entry that still held NaN: it passed "
+            "on an entry it had not received yet. At step s send the entry received at step "
+            "s - 1 (at step 0: your own)"
+        )
+    here = [s for s, k in arrivals if k == j]
+    if here:
+        return (
+            f".\nRank {j}'s tensor did arrive, at step {here[0]}, but never reached "
+            f"tensor_list[{j}]: receive into tensor_list[{j}] itself (or copy it there)"
+        )
+    if len(report["sent"]) < world - 1:
+        return (
+            f".\nThis rank sent {len(report['sent'])} messages: does the loop run "
+            f"world_size - 1 steps ({world - 1} here)?"
+        )
+    return (
+        f".\nRank {j}'s tensor never reached this rank: at step s each rank sends the entry it "
+        "received at step s - 1 (at step 0: its own), so that every tensor goes round the ring"
+    )
 
 
 # --------------------------------------------------------------------------- 2. tree broadcast
@@ -225,15 +378,34 @@ def _broadcast_once(fn: Callable, recorded: Callable, n: int) -> dict:
     reports = {}
     for src in _sources(world):
         log = recorded()
-        tensor = _value(rank, 0, n)
+        mine = _random_input(rank, n)
+        tensor = mine.clone()
         fn(tensor, src)
-        reports[src] = {"out": tensor, "sent": log["sent"], "received": log["received"]}
+        log["returned"]()
+        reports[src] = {
+            "input": mine,
+            "out": tensor,
+            "sent": log["sent"],
+            "received": [src for src, _ in log["received"]],
+        }
         dist.barrier()  # the next root's messages never meet this one's
     return reports
 
 
-def _broadcast_on_rank(fn: Callable, n: int) -> dict:
-    return _on_rank(_broadcast_once, fn, n)
+def _broadcast_on_rank(fn: Callable, journal: str, n: int) -> dict:
+    return _on_rank(_broadcast_once, fn, journal, n)
+
+
+def _broadcast_deadlock(where: dict, world: int) -> str | None:
+    hint = _who_waits(where)
+    if hint is None or world & (world - 1) == 0:
+        return hint
+    return hint + (
+        f". With {world} ranks, not a power of two, a rank's relative rank plus the distance it "
+        "sends over can be world_size or more: there is no such rank, and % world_size wraps it "
+        "round to a rank that already holds the tensor and never receives again. Skip the sends "
+        "past the last rank"
+    )
 
 
 def _rounds(sends: list[list[int]], src: int) -> dict[int, int]:
@@ -262,15 +434,17 @@ def _rounds(sends: list[list[int]], src: int) -> dict[int, int]:
 def check_tree_broadcast(fn: Callable[[torch.Tensor, int], None], timeout: float = TIMEOUT) -> str:
     """Check ``fn(tensor, src)``: every rank's ``tensor`` becomes rank ``src``'s, from send/recv,
     each rank receiving once, in at most ceil(log2 p) rounds, at world sizes 2, 3 and 4 and
-    several roots."""
+    several roots, each rank's tensor drawn at random on that rank."""
     for world, n in CASES:
         call = f"your broadcast on {world} ranks with tensors of {n} elements"
         with learner_code(call):
-            per_rank = run_answer(_broadcast_on_rank, world, fn, n, timeout=timeout)
+            per_rank = _run_checked(
+                _broadcast_on_rank, world, fn, n, timeout, call, _broadcast_deadlock
+            )
         for src in _sources(world):
             reports = [r[src] for r in per_rank]
             where = f"{call}, src={src}"
-            _check_broadcast_result(reports, where, world, src, n)
+            _check_broadcast_result(reports, where, world, src)
             _check_tree(reports, where, world, src, n)
     return (
         f"tree broadcast right at world sizes {WORLD_SIZES} from several roots, each rank "
@@ -278,9 +452,10 @@ def check_tree_broadcast(fn: Callable[[torch.Tensor, int], None], timeout: float
     )
 
 
-def _check_broadcast_result(reports: list, where: str, world: int, src: int, n: int) -> None:
-    want = _value(src, 0, n)
-    rooted_at_zero = src != 0 and all(torch.equal(r["out"], _value(0, 0, n)) for r in reports)
+def _check_broadcast_result(reports: list, where: str, world: int, src: int) -> None:
+    inputs = [r["input"] for r in reports]
+    want = inputs[src]
+    rooted_at_zero = src != 0 and all(torch.equal(r["out"], inputs[0]) for r in reports)
     for rank, report in enumerate(reports):
         got = report["out"]
         if torch.equal(got, want):
@@ -292,15 +467,15 @@ def _check_broadcast_result(reports: list, where: str, world: int, src: int, n: 
                 "ranks relative to the root, (rank - src) % world_size, and turn them back into "
                 "real ranks to send"
             )
-        elif torch.equal(got, _value(rank, 0, n)):
+        elif torch.equal(got, inputs[rank]):
             hint = (
                 f": its own tensor, so it never received. Every rank but src receives once; "
                 f"number the ranks relative to the root, (rank - src) % world_size, so that the "
                 f"tree hangs from src ({src} here) and not from rank 0"
             )
         raise ExerciseFailed(
-            f"{where}: rank {rank} should hold rank {src}'s tensor {want[:3].tolist()}, but holds "
-            f"{_describe(got)}{hint}"
+            f"{where}: rank {rank} should hold rank {src}'s tensor {_short(want)}, but holds "
+            f"{_describe(got, inputs)}{hint}"
         )
 
 
@@ -317,13 +492,13 @@ def _check_tree(reports: list, where: str, world: int, src: int, n: int) -> None
                     else "in a broadcast each rank needs the tensor once"
                 )
             )
-        if any(nbytes != 4 * n for _, nbytes in report["sent"]):
+        if any(nbytes != 4 * n for _, nbytes, _ in report["sent"]):
             raise ExerciseFailed(
                 f"right answer, but {where}: rank {rank} sent messages of "
-                f"{[b for _, b in report['sent']]} bytes; each message of a broadcast is the "
+                f"{[b for _, b, _ in report['sent']]} bytes; each message of a broadcast is the "
                 f"whole tensor ({4 * n} bytes)"
             )
-    sends = [[dst for dst, _ in r["sent"]] for r in reports]
+    sends = [[dst for dst, _, _ in r["sent"]] for r in reports]
     rounds = _rounds(sends, src)
     bound = math.ceil(math.log2(world))
     last = max(rounds.values())

@@ -1,6 +1,7 @@
 """Who holds which chunk, and who sends to whom: collectives drawn step by step.
 
-Chapter 2 draws a parameter server's layout with ``ps_layout``, which chunk of a ring
+Chapter 2 draws a parameter server's layout with ``ps_layout``, its workers' steps in time with
+``ps_timeline``, which chunk of a ring
 all-reduce sits where with ``chunk_grid`` (a slider steps through it) and who sends to whom at
 each step of the tree, recursive doubling and the ring with ``message_schedule`` (its key:
 ``schedule_legend``); chapter 13 draws an all-to-all dispatch of tokens to experts with
@@ -18,6 +19,8 @@ __all__ = [
     "chunk_grid",
     "message_schedule",
     "ps_layout",
+    "ps_timeline",
+    "ps_timeline_legend",
     "schedule_legend",
 ]
 
@@ -150,6 +153,67 @@ def ps_layout(servers: int, workers: int, ax: plt.Axes | None = None) -> plt.Axe
     ax.set_title(f"{servers} server(s), {workers} workers", fontsize=9)
     ax.axis("off")
     return ax
+
+
+def ps_timeline(
+    timeline: Sequence[tuple[int, str, float]],
+    pauses: Sequence[Sequence[float]] = (),
+    until: float | None = None,
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """Each worker's steps in time, as a parameter server saw them (chapter 2).
+
+    ``timeline`` is ``ServerResult.timeline``: (worker rank, "pull" | "reply" | "push", seconds)
+    events, each request timed when the server took it up, each answer when the server decided
+    to send it. Drawn: a grey bar from a pull to its answer (a pull held back: the worker
+    waits), a blue bar from the answer to the push (the answer in flight, computing, and the
+    push in flight), an orange end to it where ``pauses[w][step % len]`` says worker w paused
+    (it sleeps just before pushing), and above a push the worker's clock after it, where there
+    is room for the number. Time counts from the first request; ``until`` cuts the axis there."""
+    ax = ax or plt.subplots(figsize=(11, 2))[1]
+    start = min(t for _, _, t in timeline)
+    ranks = sorted({w for w, _, _ in timeline})
+    for lane, w in enumerate(ranks):
+        mine = {kind: [t - start for v, k, t in timeline if v == w and k == kind]
+                for kind in ("pull", "reply", "push")}  # fmt: skip
+        steps = zip(mine["pull"], mine["reply"], mine["push"], strict=False)
+        labelled = -1.0  # where the last clock label went: none closer than ``gap``
+        gap = 0.025 * (until or max(t for _, _, t in timeline) - start)
+        for step, (asked, answered, pushed) in enumerate(steps):
+            if until is not None and asked > until:
+                break
+            ax.barh(lane, answered - asked, left=asked, height=0.5, color="0.6")
+            ax.barh(lane, pushed - answered, left=answered, height=0.5, color="#9ecae1")
+            pattern = pauses[lane] if lane < len(pauses) else ()
+            pause = pattern[step % len(pattern)] if pattern else 0.0
+            if pause:
+                ax.barh(lane, pause, left=pushed - pause, height=0.5, color="C1")
+            ax.plot([pushed, pushed], [lane - 0.3, lane + 0.3], color="k", lw=0.8)
+            if pushed - labelled >= gap and (until is None or pushed < until):
+                ax.text(pushed, lane - 0.3, str(step + 1), ha="center", va="bottom", fontsize=6)
+                labelled = pushed
+    ax.set_yticks(range(len(ranks)), [f"worker {i}" for i in range(len(ranks))], fontsize=8)
+    ax.text(1.0, 1.02, "blank: a request in flight, or the server busy", fontsize=7, ha="right",
+            va="bottom", transform=ax.transAxes, color="0.4")  # fmt: skip
+    ax.set_ylim(len(ranks) - 0.4, -0.75)
+    if until is not None:
+        ax.set_xlim(0, until)
+    ax.set_title(title, fontsize=9, loc="left")
+    return ax
+
+
+def ps_timeline_legend(fig: plt.Figure) -> None:
+    """The key to :func:`ps_timeline`'s bars, once for a whole figure, below its panels."""
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(color="0.6", label="its pull held back by the server"),
+        Patch(color="#9ecae1", label="computing its gradient"),
+        Patch(color="C1", label="pausing"),
+        plt.Line2D([], [], color="k", lw=0.8, label="push; the number: its clock after it"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
 
 
 def all_to_all_dispatch(

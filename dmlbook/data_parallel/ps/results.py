@@ -23,6 +23,25 @@ class ServerResult:
     traffic: Traffic
     seconds: float
     members: list[list[int]] = field(default_factory=list)  # sync: whose gradients made each step
+    # (worker rank, "pull" | "reply" | "push", time.perf_counter()) of each request as the server
+    # took it up and each answer to a pull as the server sent it: the timeline chapter 2 draws
+    timeline: list[tuple[int, str, float]] = field(default_factory=list)
+
+    def held_pulls(self) -> list[tuple[int, int, float]]:
+        """The pulls this server held back: (worker rank, the worker's clock, seconds held).
+        A pull answered at once is answered before the server takes up its next request; a
+        held one has other requests between it and its answer."""
+        held, asked, clock = [], {}, {}
+        for i, (w, kind, t) in enumerate(self.timeline):
+            if kind == "pull":
+                asked[w] = (i, t, clock.get(w, 0))
+            elif kind == "push":
+                clock[w] = clock.get(w, 0) + 1
+            elif kind == "reply" and w in asked:
+                i0, t0, c = asked.pop(w)
+                if any(k != "reply" for _, k, _ in self.timeline[i0 + 1 : i]):
+                    held.append((w, c, t - t0))
+        return held
 
 
 @dataclass

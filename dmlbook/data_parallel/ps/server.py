@@ -99,6 +99,7 @@ def server_loop(shard, lr, consistency, requests, cluster, result, members=None)
 
 def _reply(worker: int, shard, lead: int, cluster: Cluster, result: ServerResult) -> None:
     """Answer a pull: a header [version, how far the worker is ahead], then the shard."""
+    result.timeline.append((worker, "reply", time.perf_counter()))  # the answer leaves now
     header = torch.tensor([result.updates, lead])
     _send(header, worker, REPLY, result.traffic, cluster.comm)
     _send(shard, worker, PARAMS, result.traffic, cluster.comm)
@@ -127,6 +128,8 @@ def requests(shard, cluster: Cluster, result: ServerResult):
                 shard.clone(),
             )
         _count_received(header, result.traffic)
+        if kind in (PULL, PUSH):  # when the server takes it up
+            result.timeline.append((w, "pull" if kind == PULL else "push", time.perf_counter()))
         if kind == PUSH:
             _count_received(grad, result.traffic)
             pushed[w] += 1
