@@ -252,3 +252,17 @@ def test_every_stage_on_a_gpu_equals_single_process():
         got = {name: p.cpu() for name, p in engine.full_parameters().items()}
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-9, msg=name)
+
+
+def test_flat_buffer_makes_the_parameters_views_of_one_padded_buffer():
+    unit = torch.nn.Linear(3, 2)
+    weight, bias = unit.weight.detach().clone(), unit.bias.detach().clone()
+    flat = zero.flat_buffer(list(unit.parameters()), world_size=3)
+    assert flat.numel() == padded_size(8, 3) == 9
+    assert torch.equal(flat, torch.cat([weight.reshape(-1), bias, torch.zeros(1)]))
+    assert torch.equal(unit.weight, weight) and torch.equal(unit.bias, bias)
+    with torch.no_grad():
+        flat[0] = 7.0  # the parameter reads the buffer
+    assert unit.weight[0, 0] == 7.0
+    flat.untyped_storage().resize_(0)  # stage 3's free: the views have no bytes behind them
+    assert unit.weight.untyped_storage().nbytes() == 0

@@ -1,15 +1,18 @@
 """Checkers for the exercises of chapter 9b ("Beyond the book: ZeRO and FSDP").
 
-1. ``check_bytes_per_rank``: write ``bytes_per_rank(psi, world_size, stage, param_bytes,
-   grad_bytes, state_bytes)``, the bytes of model states one rank holds for ``psi`` parameters at
-   ZeRO stage 0 (plain data parallelism), 1, 2 or 3, no padding; ValueError for any other stage.
-   Mixed precision (2, 2, 12) and bf16 parameters with fp32 gradients (2, 4, 12) tell a stage 2
-   that shards the parameters from one that shards the gradients.
+1. ``check_max_parameters``: write ``max_parameters(memory_bytes, world_size, stage,
+   param_bytes, grad_bytes, state_bytes)``, the largest number of parameters whose model states
+   fit in ``memory_bytes`` per rank at ZeRO stage 0 (plain data parallelism), 1, 2 or 3, no
+   padding; ValueError for any other stage. Mixed precision (2, 2, 12) and bf16 parameters with
+   fp32 gradients (2, 4, 12) tell a stage 2 that shards the parameters from one that shards the
+   gradients.
 2. ``check_fsdp_linear``: write ``fsdp_linear(x, weight_shard, out_features, in_features,
    group)``, stage 3 for one linear layer: each rank keeps only its flat, padded shard of the
    weight; forward gathers the whole weight, backward gathers it again and reduce-scatters the
    weight's gradient (averaged over the ranks) to the shards. Checked on 3 ranks with torch's
-   differentiable collectives and FSDP switched off.
+   differentiable collectives and FSDP switched off; the collectives each rank calls are
+   counted, and what autograd saves for backward is seen, so that keeping the whole weight for
+   backward, or an all-reduce in place of the reduce-scatter, is rejected.
 3. ``check_comm_bytes``: write ``comm_bytes(psi, world_size, stage, param_bytes, grad_bytes)``,
    the bytes one rank sends per step over ring collectives: an all-reduce moves 2(N-1)/N of the
    tensor, a reduce-scatter or an all-gather (N-1)/N; gradients at ``grad_bytes`` per element,
@@ -18,11 +21,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
-from dmlbook.advanced import zero
 from dmlbook.exercises import (
     ExerciseFailed,
     checker,
@@ -31,7 +36,7 @@ from dmlbook.exercises import (
     run_answer,
 )
 
-__all__ = ["check_bytes_per_rank", "check_comm_bytes", "check_fsdp_linear"]
+__all__ = ["check_comm_bytes", "check_fsdp_linear", "check_max_parameters"]
 
 
 def _close(got: float, want: float) -> bool:
@@ -42,77 +47,128 @@ def _expects_valueerror(fn: Callable, args: tuple, why: str) -> None:
     expect_value_error(f"{fn.__name__}{args}", lambda: fn(*args), why)
 
 
-# --------------------------------------------------------------------------- 1. bytes per rank
-
-
-def _bytes(psi: int, n: int, stage: int, params: int, grads: int, state: int) -> float:
-    return sum(
-        zero.paper_bytes(psi, n, stage, k=state, param_bytes=params, grad_bytes=grads).values()
-    )
+# --------------------------------------------------------------------------- 1. the largest model
 
 
 MIXED, FP32, BF16_FP32_GRADS = (2, 2, 12), (4, 4, 8), (2, 4, 12)
-_CASES = [(7_500_000_000, 64, s, *MIXED) for s in range(4)] + [
-    (10**9, 64, 2, *BF16_FP32_GRADS), (10**9, 64, 3, *BF16_FP32_GRADS),
-    (10**9, 8, 1, *BF16_FP32_GRADS), (10**9, 8, 0, *BF16_FP32_GRADS),
-    (7_500_000, 8, 2, *FP32), (1000, 3, 1, *FP32), (1000, 3, 3, *FP32),
-    (153, 1, 3, *MIXED), (12_345, 5, 1, *MIXED),
+GB = 10**9
+_CASES = [(32 * GB, 64, s, *MIXED) for s in range(4)] + [
+    (80 * GB, 8, 2, *BF16_FP32_GRADS), (80 * GB, 8, 1, *BF16_FP32_GRADS),
+    (80 * GB, 64, 3, *BF16_FP32_GRADS), (80 * GB, 8, 0, *BF16_FP32_GRADS),
+    (16 * GB, 3, 1, *FP32), (16 * GB, 3, 2, *FP32), (16 * GB, 3, 3, *FP32),
+    (24 * GB, 1, 3, *MIXED), (40 * GB, 5, 2, *MIXED),
 ]  # fmt: skip
 
 
-def _wrong_bytes(psi, n, stage, p, g, k) -> dict[str, float]:
+def _per_parameter(n: int, stage: int, p: int, g: int, k: int) -> Fraction:
+    """Bytes of model states per parameter on one rank, exactly (the paper's formula)."""
+    return (
+        Fraction(p, n if stage >= 3 else 1)
+        + Fraction(g, n if stage >= 2 else 1)
+        + Fraction(k, n if stage >= 1 else 1)
+    )
+
+
+def _fits(memory: int, n: int, stage: int, p: int, g: int, k: int) -> Fraction:
+    return Fraction(memory) / _per_parameter(n, stage, p, g, k)
+
+
+def _wrong_max(memory, n, stage, p, g, k) -> dict[str, float]:
     """The typical wrong answers, each with what it got wrong."""
-    sharded = {
-        "at stage 2 you divided the parameters by N and kept the gradients whole: stage 2 "
-        "shards the gradients (each rank keeps only the reduce-scattered average of its "
-        "shard); the parameters stay whole until stage 3 (or you swapped param_bytes and "
-        "grad_bytes)": (p / n + g + k / n) * psi,
-        "the next stage's figure: stage 1 shards only the optimizer state, stage 2 adds the "
-        "gradients, stage 3 the parameters": _bytes(psi, n, min(stage + 1, 3), p, g, k),
-        "the previous stage's figure: stage 1 shards the optimizer state, stage 2 adds the "
-        "gradients, stage 3 the parameters": _bytes(psi, n, max(stage - 1, 0), p, g, k),
-        "the fp32 figure (4 + 4 + 8 bytes); use the byte sizes you are given": _bytes(
-            psi, n, stage, *FP32
+    exact = _fits(memory, n, stage, p, g, k)
+    wrong = {
+        "rounded up: a model of that many parameters does not fit. Round down (floor)": (
+            math.ceil(exact)
         ),
-        "the whole model's bytes divided by N, which only stage 3 reaches": (p + g + k) * psi / n,
+        "the bytes per parameter; the number of parameters is the memory divided by it": float(
+            _per_parameter(n, stage, p, g, k)
+        ),
+        "in billions (or the memory in GB): return a count of parameters, from bytes": float(
+            exact / GB
+        ),
+        "the mixed-precision figure (2 + 2 + 12 bytes) whatever the sizes you are given": (
+            math.floor(_fits(memory, n, stage, *MIXED))
+        ),
+        "the fp32 figure (4 + 4 + 8 bytes); use the byte sizes you are given": math.floor(
+            _fits(memory, n, stage, *FP32)
+        ),
+        "stage 2 sharding the parameters and keeping the gradients whole: stage 2 shards the "
+        "gradients (each rank keeps only the reduce-scattered average of its shard); the "
+        "parameters stay whole until stage 3 (or you swapped param_bytes and grad_bytes)": (
+            math.floor(Fraction(memory) / (Fraction(p, n) + g + Fraction(k, n)))
+            if stage == 2 and p != g
+            else -1
+        ),
+        "the next stage's figure: stage 1 shards only the optimizer state, stage 2 adds the "
+        "gradients, stage 3 the parameters": math.floor(
+            _fits(memory, n, min(stage + 1, 3), p, g, k)
+        ),
+        "the previous stage's figure: stage 1 shards the optimizer state, stage 2 adds the "
+        "gradients, stage 3 the parameters": math.floor(
+            _fits(memory, n, max(stage - 1, 0), p, g, k)
+        ),
+        "stage 3 counting a whole gathered copy of the parameters besides the shards. The model "
+        "states are the shards; a unit gathered for its forward is a temporary buffer the "
+        "formula leaves out": (
+            math.floor(Fraction(memory) / (_per_parameter(n, 3, p, g, k) + p)) if stage == 3 else -1
+        ),
+        "the whole memory of all N ranks over 2 + 2 + ... bytes, which only stage 3 reaches": (
+            math.floor(Fraction(memory * n, p + g + k))
+        ),
     }
-    if stage != 2 or p == g:
-        del sharded[next(iter(sharded))]  # the same number as the right one: no hint from it
-    return sharded
+    if n == 1:
+        wrong = {why: v for why, v in wrong.items() if not why.startswith(("the next", "the prev"))}
+    return wrong
 
 
-@checker("bytes_per_rank", writes=("dmlbook.advanced.zero.accounting.paper_bytes",))
-def check_bytes_per_rank(fn: Callable[..., float]) -> str:
-    """Check ``fn(psi, world_size, stage, param_bytes, grad_bytes, state_bytes)`` is the bytes of
-    model states per rank: (p + g + k) psi; p psi + g psi + k psi / N; p psi + (g + k) psi / N;
-    (p + g + k) psi / N for stages 0-3, and ValueError for any other stage. Among the cases:
-    the paper's Figure 1 (7.5B parameters, 64 GPUs, mixed precision) and bf16 parameters with
-    fp32 gradients, where sharding the parameters instead of the gradients shows."""
-    for psi, n, stage, p, g, k in _CASES:
+@checker(
+    "max_parameters",
+    writes=("dmlbook.advanced.zero.accounting.paper_bytes",),
+)
+def check_max_parameters(fn: Callable[..., int]) -> str:
+    """Check ``fn(memory_bytes, world_size, stage, param_bytes, grad_bytes, state_bytes)`` is the
+    largest number of parameters whose model states fit in ``memory_bytes`` on each rank at that
+    ZeRO stage: floor(memory / bytes per parameter), with p + g + k; p + g + k/N; p + (g + k)/N;
+    (p + g + k)/N bytes per parameter at stages 0-3; ValueError for any other stage."""
+    for memory, n, stage, p, g, k in _CASES:
         call = (
-            f"your bytes_per_rank(psi={psi}, world_size={n}, stage={stage}, param_bytes={p}, "
-            f"grad_bytes={g}, state_bytes={k})"
+            f"your max_parameters(memory_bytes={memory}, world_size={n}, stage={stage}, "
+            f"param_bytes={p}, grad_bytes={g}, state_bytes={k})"
         )
         with learner_code(call):
-            got = float(fn(psi, n, stage, p, g, k))
-        want = _bytes(psi, n, stage, p, g, k)
-        if _close(got, want):
+            got = fn(memory, n, stage, p, g, k)
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            raise ExerciseFailed(f"{call} returned {got!r}, not a number of parameters")
+        exact = _fits(memory, n, stage, p, g, k)
+        want = math.floor(exact)
+        # a float division may land just under an exact whole answer: accept one less then
+        if got == want or (exact == want and got == want - 1):
             continue
-        hint = next(
-            (
-                f": that is {why}"
-                for why, value in _wrong_bytes(psi, n, stage, p, g, k).items()
-                if _close(got, value)
-            ),
-            ". Add up parameters (param_bytes x psi), gradients (grad_bytes x psi) and optimizer "
-            "state (state_bytes x psi), dividing by N what the stage shards",
-        )
-        raise ExerciseFailed(f"{call} returned {got:.6g}, expected {want:.6g}{hint}")
+        hint = None
+        if isinstance(got, float) and got != int(got) and abs(got - float(exact)) < 1:
+            hint = ": a number of parameters is a whole number; round down (floor) to one that fits"
+        if hint is None:
+            hint = next(
+                (
+                    f": that is {why}"
+                    for why, value in _wrong_max(memory, n, stage, p, g, k).items()
+                    if abs(float(got) - float(value)) <= max(0.5, 1e-12 * abs(float(value)))
+                ),
+                None,
+            )
+        if hint is None:
+            hint = (
+                ". Divide the memory by the bytes one parameter costs on a rank: param_bytes + "
+                "grad_bytes + state_bytes, with each part the stage shards divided by N"
+            )
+        raise ExerciseFailed(f"{call} returned {got!r}, expected {want:,}{hint}")
     for stage in (4, -1):
-        _expects_valueerror(fn, (1000, 4, stage, *MIXED), f"ZeRO has stages 0-3, not {stage}")
+        _expects_valueerror(fn, (GB, 4, stage, *MIXED), f"ZeRO has stages 0-3, not {stage}")
+    stage3 = math.floor(_fits(32 * GB, 64, 3, *MIXED)) / GB
     return (
-        f"right for {len(_CASES)} models, world sizes, stages and precisions (the paper's 120, "
-        "31.4, 16.6 and 1.9 GB among them), and ValueError for stage 4"
+        f"right for {len(_CASES)} memories, world sizes, stages and precisions (32 GB on 64 "
+        f"ranks holds {stage3:g}B parameters at stage 3 in mixed precision), and ValueError "
+        "for stage 4"
     )
 
 
@@ -133,6 +189,36 @@ def _rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, upstream
 
 
+# the names a collective goes by in torch.distributed, and the kind it is
+_COLLECTIVE_NAMES = {
+    "all_gather_single": "all-gather",
+    "all_gather_into_tensor": "all-gather",
+    "all_gather": "all-gather",
+    "reduce_scatter_single": "reduce-scatter",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+}
+
+
+def _counting(dist, counts: dict, phase: list) -> dict:
+    """Wrap torch.distributed's collectives so that each call is counted, by kind and by the
+    phase (forward or backward) it ran in; returns the originals to put back."""
+    originals = {}
+    for name, kind in _COLLECTIVE_NAMES.items():
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+        originals[name] = original
+
+        def counted(*args, _original=original, _kind=kind, **kwargs):
+            counts[phase[0], _kind] = counts.get((phase[0], _kind), 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return originals
+
+
 def _fsdp_linear_on_rank(fn: Callable) -> dict:
     import torch.distributed as dist
 
@@ -143,15 +229,49 @@ def _fsdp_linear_on_rank(fn: Callable) -> dict:
     shard = padded[rank * size : (rank + 1) * size].clone().requires_grad_()
     x, upstream = _rank_inputs(rank)
     x.requires_grad_()
-    y = fn(x, shard, _OUT, _IN, dist.group.WORLD)
-    if not isinstance(y, torch.Tensor):
-        return {"type": type(y).__name__}
-    out = {"y": y.detach().clone(), "connected": y.requires_grad}
-    if y.requires_grad and y.shape == upstream.shape:
-        (y * upstream).sum().backward()
+    counts: dict = {}
+    phase = ["forward"]
+    saved: list[tuple[int, ...]] = []  # the shapes autograd keeps for backward
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    originals = _counting(dist, counts, phase)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(x, shard, _OUT, _IN, dist.group.WORLD)
+        if not isinstance(y, torch.Tensor):
+            return {"type": type(y).__name__}
+        out = {"y": y.detach().clone(), "connected": y.requires_grad}
+        phase[0] = "backward"
+        if y.requires_grad and y.shape == upstream.shape:
+            (y * upstream).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
     out["x_grad"] = None if x.grad is None else x.grad.clone()
     out["shard_grad"] = None if shard.grad is None else shard.grad.clone()
+    out["counts"], out["saved"] = counts, saved
     return out
+
+
+def _size_hint(message: str) -> str:
+    """What a shape error in a stage-3 linear usually means: the padding left out."""
+    n, s = _OUT * _IN, -(-_OUT * _IN // _WORLD)
+    if "is invalid for input of size" in message:
+        return (
+            f". W has out_features x in_features = {n} elements, but the gathered buffer has "
+            f"N x S = {_WORLD * s} (the shards carry the padding): view only its first {n} "
+            "elements as (out_features, in_features)"
+        )
+    if "Check failed" in message or "size" in message:
+        return (
+            f". A collective's buffers must be N x S = {_WORLD * s} elements for shards of "
+            f"S = {s}, padding included: pad W's flat gradient with zeros to {_WORLD * s} "
+            "before the reduce-scatter, and gather into a buffer of that size"
+        )
+    return ""
 
 
 def _shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -175,8 +295,14 @@ def check_fsdp_linear(fn: Callable) -> str:
     with W gathered from every rank's flat shard; backward gives ``x`` its gradient and the shard
     this rank's part of W's gradient averaged over the ranks (each rank had its own rows)."""
     call = f"your fsdp_linear(x of shape ({_ROWS}, {_IN}), weight_shard, {_OUT}, {_IN}, group)"
-    with learner_code(f"{call} on {_WORLD} ranks"):
-        ranks = run_answer(_fsdp_linear_on_rank, _WORLD, fn)
+    try:
+        with learner_code(f"{call} on {_WORLD} ranks"):
+            ranks = run_answer(_fsdp_linear_on_rank, _WORLD, fn)
+    except ExerciseFailed as failed:
+        hint = "" if "called the library instead" in str(failed) else _size_hint(str(failed))
+        if not hint:
+            raise
+        raise ExerciseFailed(f"{failed}{hint}") from failed.__cause__
     W = _full_weight()
     local_grads = []
     for rank in range(_WORLD):
@@ -210,6 +336,7 @@ def check_fsdp_linear(fn: Callable) -> str:
         got = r["shard_grad"]
         want = _shard_of(mean_grad, rank, _WORLD)
         if got.shape == want.shape and torch.allclose(got, want, atol=1e-12):
+            _check_stage3_traffic(where, r["counts"], r["saved"])
             continue
         mine = _shard_of(local_grads[rank], rank, _WORLD)
         if got.shape != want.shape:
@@ -237,6 +364,38 @@ def check_fsdp_linear(fn: Callable) -> str:
     return f"forward, x's gradient and the shard's averaged gradient right on {_WORLD} ranks"
 
 
+def _check_stage3_traffic(where: str, counts: dict, saved: list[tuple[int, ...]]) -> None:
+    """Right numbers, but is it stage 3? No full weight kept for backward, a second gather in
+    backward, and a reduce-scatter rather than an all-reduce."""
+    if any(counts.get((phase, "all-reduce"), 0) for phase in ("forward", "backward")):
+        raise ExerciseFailed(
+            f"{where}: the numbers are right, but you all-reduced the weight's gradient and kept "
+            "your chunk. A ring all-reduce sends 2(N-1)/N of the tensor from each rank, twice "
+            "what a reduce-scatter sends, and leaves every rank the whole gradient it then "
+            "throws away: reduce-scatter it (ReduceOp.AVG) straight into your shard"
+        )
+    whole = [shape for shape in saved if math.prod(shape) >= _OUT * _IN]
+    if whole:
+        raise ExerciseFailed(
+            f"{where}: the numbers are right, but autograd kept a tensor of shape {whole[0]} for "
+            "backward: the whole weight (or its padded buffer). Stage 3 keeps only its shard "
+            "between forward and backward, so that no rank holds the whole layer while other "
+            "layers run: save x and weight_shard (ctx.save_for_backward), and gather W again "
+            "in backward"
+        )
+    if not counts.get(("backward", "all-gather"), 0):
+        raise ExerciseFailed(
+            f"{where}: the numbers are right, but backward gathered nothing, so the whole W was "
+            "kept from forward (on ctx, or in a closure). Stage 3 frees it after forward and "
+            "all-gathers it again in backward, where grad_y @ W needs it"
+        )
+    if not counts.get(("backward", "reduce-scatter"), 0):
+        raise ExerciseFailed(
+            f"{where}: the numbers are right, but backward called no reduce-scatter: sum W's "
+            "padded flat gradient over the ranks with one, each rank keeping its shard"
+        )
+
+
 # --------------------------------------------------------------------------- 3. comm bytes
 
 
@@ -249,12 +408,18 @@ def _comm(psi: int, n: int, stage: int, p: int, g: int) -> float:
     return ring * (g + 2 * p) * psi  # and the parameters gathered twice: forward, backward
 
 
+# gradients and parameters of different sizes first, so that each wrong answer differs
+_COMM_CASES = [(10**9, 8, s, 2, 4) for s in range(4)] + [
+    (7_500_000_000, 64, s, 2, 2) for s in range(4)
+] + [(1000, 3, 1, 4, 4), (1000, 3, 3, 4, 4), (153, 1, 3, 2, 2), (12_345, 5, 2, 4, 2)]  # fmt: skip
+
+
 @checker("comm_bytes", writes=("dmlbook.advanced.zero.accounting.comm_bytes_per_step",))
 def check_comm_bytes(fn: Callable[..., float]) -> str:
     """Check ``fn(psi, world_size, stage, param_bytes, grad_bytes)``: the bytes one rank sends
     per step over ring collectives, gradients moving at ``grad_bytes`` and parameters at
     ``param_bytes`` per element."""
-    for psi, n, stage, p, g, _ in _CASES:
+    for psi, n, stage, p, g in _COMM_CASES:
         call = (
             f"your comm_bytes(psi={psi}, world_size={n}, stage={stage}, param_bytes={p}, "
             f"grad_bytes={g})"
@@ -271,6 +436,8 @@ def check_comm_bytes(fn: Callable[..., float]) -> str:
             "without the ring's (N-1)/N: each rank sends N-1 of the N chunks": want / ring
             if ring
             else -1.0,
+            "stage 0 without the all-reduce's factor 2: a ring all-reduce is a reduce-scatter "
+            "then an all-gather, 2(N-1)/N of the tensor": (ring * g * psi if stage == 0 else -1.0),
             "in elements, not bytes": (3 if stage == 3 else 2) * ring * psi,
             "the all-gather moving gradients: it moves the updated parameters "
             "(param_bytes), the reduce-scatter the gradients (grad_bytes)": (
@@ -288,4 +455,4 @@ def check_comm_bytes(fn: Callable[..., float]) -> str:
             "(N-1)/N each; gradients at grad_bytes, parameters at param_bytes",
         )
         raise ExerciseFailed(f"{call} returned {got:.6g}, expected {want:.6g}{hint}")
-    return f"right for {len(_CASES)} models, world sizes, stages and precisions"
+    return f"right for {len(_COMM_CASES)} models, world sizes, stages and precisions"

@@ -64,7 +64,7 @@ from dmlbook.advanced.zero.accounting import (
     expected_bytes,
     paper_bytes,
 )
-from dmlbook.advanced.zero.stage0 import ZeroStage0
+from dmlbook.advanced.zero.stage0 import ZeroStage0, flat_buffer
 from dmlbook.advanced.zero.stages import (
     STAGE_CLASSES,
     ZeroStage1,
@@ -72,9 +72,10 @@ from dmlbook.advanced.zero.stages import (
     ZeroStage3,
     zero_data_parallel,
 )
-from dmlbook.advanced.zero.training import ddp_train, fsdp2_train, train
+from dmlbook.advanced.zero.training import ddp_train, fsdp2_train, fsdp2_wrap, train
 
 __all__ = [
+    "flat_buffer",
     "STAGES",
     "COLLECTIVES",
     "MemoryMeter",
@@ -89,6 +90,7 @@ __all__ = [
     "ddp_train",
     "expected_bytes",
     "fsdp2_train",
+    "fsdp2_wrap",
     "paper_bytes",
     "train",
 ]

@@ -24,6 +24,25 @@ from dmlbook.optim import adam_update_
 # operations as torch.optim.Adam). Elementwise is what lets each ZeRO rank step only its shard and
 # still match an optimizer that sees every parameter.
 
+# --------------------------------------------------------------------------- the layout
+
+
+def flat_buffer(params: Sequence[torch.Tensor], world_size: int) -> torch.Tensor:
+    """One unit's parameters copied into one flat buffer, padded with zeros to N x S elements
+    (S = ceil(numel / N)); each parameter becomes a view of its slice (chapter 9b). Rank r's
+    shard is ``flat[r * S : (r + 1) * S]``."""
+    numel = sum(p.numel() for p in params)
+    S = -(-numel // world_size)  # shard size: ceil(numel / N)
+    flat = params[0].new_zeros(S * world_size)  # the padding: zeros after the last parameter
+    offset = 0
+    for p in params:
+        view = flat[offset : offset + p.numel()].view(p.shape)
+        view.copy_(p.detach())
+        p.data = view  # the parameter now reads and writes the buffer
+        offset += p.numel()
+    return flat
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -47,12 +66,6 @@ class _Unit:
         self.exp_avg_sq: torch.Tensor | None = None
         self.ready: set[int] = set()  # parameters whose gradient backward has produced
         self.gathered_for_backward = False
-
-    def flatten(self, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        flat = like.new_zeros(self.padded)
-        for t, offset, numel in zip(tensors, self.offsets, self.numels, strict=True):
-            flat[offset : offset + numel] = t.detach().reshape(-1)
-        return flat
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -155,12 +168,9 @@ class ZeroStage0(nn.Module):
 
     def _shard(self, unit: _Unit) -> None:
         like = unit.params[0]
-        flat = unit.flatten(unit.params, like)
         moments = self._owned(unit)
         unit.exp_avg, unit.exp_avg_sq = like.new_zeros(moments), like.new_zeros(moments)
-        unit.full_param = flat  # the module's parameters become views of it
-        for p, view in zip(unit.params, unit.views(flat), strict=True):
-            p.data = view
+        unit.full_param = flat_buffer(unit.params, self.world_size)  # parameters: views of it
         self._place_gradients(unit)
 
     def _owned(self, unit: _Unit) -> int:

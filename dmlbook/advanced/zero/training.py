@@ -138,18 +138,25 @@ def fsdp2_train(
     """Rank function, torch's counterpart of stage 3: FSDP2 (``fully_shard`` on every module
     that owns parameters, then on the root) with ``torch.optim.Adam`` on the sharded DTensor
     parameters; returns the full parameters."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model()
-    for module in list(model.modules()):
-        if module is not model and any(True for _ in module.parameters(False)):
-            fully_shard(module)
-    fully_shard(model)
+    model = fsdp2_wrap(make_model())
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     # FSDP2 reduce-scatters the averaged gradient in backward: the loop syncs nothing.
     train_loop(model, optimizer, None, None, _local_batches(batches), sync=NoSync(),
                forward_backward=_QuietFSDP2(loss_fn))  # fmt: skip
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def fsdp2_wrap(model: nn.Module) -> nn.Module:
+    """FSDP2 around ``model``: ``fully_shard`` each module that owns parameters (a unit: gathered
+    before its forward and backward, freed after, its gradient reduce-scattered), then the root
+    (the parameters no unit claimed). Each parameter becomes a DTensor, sharded by rows. Chapter
+    9b checks it against :class:`~dmlbook.advanced.zero.ZeroStage3`."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module)
+    return fully_shard(model)
 
 
 class _QuietFSDP2(ForwardBackward):
