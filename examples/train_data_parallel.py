@@ -41,6 +41,8 @@ def train() -> dict:
         node=int(os.environ.get("GROUP_RANK", 0)),  # torchrun's node rank
         local_rank=int(os.environ["LOCAL_RANK"]),
         interface=os.environ.get("GLOO_SOCKET_IFNAME", ""),
+        store=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",  # workers' store
+        agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", ""),  # "True": agent hosts it
     )
     print(
         f"{socket.gethostname()}: global rank {where['rank']} is local rank "
@@ -99,6 +101,8 @@ def torchrun_on_this_machine(nodes: int, nproc_per_node: int, out: str) -> None:
     if any(agent.returncode for agent in agents):
         raise SystemExit("a torchrun agent failed:\n" + "\n".join(outputs))
     print("".join(outputs), end="")
+    if out:  # where the agents met, beside the workers' store they were handed
+        torch.save(torch.load(out, weights_only=True) | {"rendezvous": f"127.0.0.1:{port}"}, out)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Chapter 3's exercise checkers: right answers pass; planted bugs (a rank's own shard only, the
-mean of per-rank accuracies, two all-reduces where one will do, a save straight into the final
+mean of per-rank accuracies, two all-reduces where one will do, every shard gathered to every
+rank, a reduce to rank 0 only, a hard-coded test-set size, a save straight into the final
 path, no fsync, removing the old checkpoint before the rename) are caught."""
 
 import os
@@ -44,8 +45,40 @@ def two_all_reduces(model, x, y):
     return correct.item() / total.item()
 
 
+def gather_every_shard(model, x, y):
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (x, y))
+    with torch.no_grad():
+        right = sum((model(xs).argmax(1) == ys).sum().item() for xs, ys in shards)
+    return right / sum(len(ys) for _, ys in shards)
+
+
+def reduce_to_rank_0(model, x, y):
+    with torch.no_grad():
+        counts = torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.int64)
+    dist.reduce(counts, dst=0)
+    return counts[0].item() / counts[1].item()
+
+
+def hard_coded_size(model, x, y):
+    with torch.no_grad():
+        correct = torch.tensor([(model(x).argmax(1) == y).sum().item()])
+    dist.all_reduce(correct)
+    return correct.item() / 359  # the chapter's test set, not this one
+
+
+def all_gather_counts(model, x, y):  # one collective of a few numbers: allowed
+    with torch.no_grad():
+        mine = torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    total = torch.stack(everyone).sum(0)
+    return total[0].item() / total[1].item()
+
+
 def test_sharded_accuracy_passes_the_right_answer():
     assert ch03.check_sharded_accuracy(sharded_accuracy).status == "passed"
+    assert ch03.check_sharded_accuracy(all_gather_counts).status == "passed"
 
 
 @pytest.mark.parametrize(
@@ -54,6 +87,9 @@ def test_sharded_accuracy_passes_the_right_answer():
         (local_accuracy_only, "this rank's own shard only"),
         (mean_of_accuracies, "mean of the ranks' accuracies"),
         (two_all_reduces, "called 2 collectives"),
+        (gather_every_shard, "bytes to all_gather_object"),
+        (reduce_to_rank_0, "reduce delivers the sum to one rank only"),
+        (hard_coded_size, "divided by 359"),
     ],
 )
 def test_sharded_accuracy_catches_planted_bugs(answer, message):

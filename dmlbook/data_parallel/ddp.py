@@ -28,6 +28,7 @@ from dmlbook.data_parallel.averaging import average_gradients_per_parameter, bro
 __all__ = [
     "BucketedDDP",
     "CommStats",
+    "DataParallelWrapper",
     "DistributedDataParallel",
     "GradBucket",
     "NaiveDDP",
@@ -108,7 +109,7 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> lis
     return buckets
 
 
-class _DataParallel(nn.Module):
+class DataParallelWrapper(nn.Module):
     """What both DDP wrappers share: the initial broadcast, ``no_sync``, and the gradient hooks.
 
     A hook on every parameter runs as soon as backward has accumulated the parameter's gradient
@@ -155,7 +156,7 @@ class _DataParallel(nn.Module):
         def hook_for(index: int) -> Callable[[torch.Tensor], None]:
             def hook(param: torch.Tensor) -> None:  # autograd: param.grad is complete
                 if (wrapper := me()) is not None:
-                    wrapper._gradient_accumulated(index)
+                    wrapper.gradient_accumulated(index)
 
             return hook
 
@@ -193,7 +194,8 @@ class _DataParallel(nn.Module):
         finally:
             self._require_sync = before
 
-    def _gradient_accumulated(self, index: int) -> None:
+    def gradient_accumulated(self, index: int) -> None:
+        """The hook on every parameter: autograd has just added its gradient into ``.grad``."""
         self._used.add(index)
         if not self._sync_backward:
             return  # no_sync: the gradient simply stays in .grad
@@ -243,7 +245,7 @@ class _DataParallel(nn.Module):
         return used.tolist()
 
 
-class BucketedDDP(_DataParallel):
+class BucketedDDP(DataParallelWrapper):
     """``DistributedDataParallel`` from scratch: bucketed all-reduces overlapped with backward.
 
     Chapter 3 uses it to show what torch's DDP does. The parameters are grouped into buckets
@@ -382,7 +384,7 @@ def _grad_or_zeros(p: torch.Tensor) -> torch.Tensor:
 DistributedDataParallel = BucketedDDP
 
 
-class NaiveDDP(_DataParallel):
+class NaiveDDP(DataParallelWrapper):
     """Chapter 1's :func:`average_gradients_per_parameter` behind :class:`BucketedDDP`'s interface.
 
     After backward, one blocking all-reduce per parameter: nothing overlaps with backward, and
@@ -408,3 +410,5 @@ class NaiveDDP(_DataParallel):
         self.stats.syncs += 1
         self.stats.collectives += len(sent)
         self.stats.bytes += sum(p.numel() * p.element_size() for p in sent)
+
+

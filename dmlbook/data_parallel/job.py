@@ -23,7 +23,7 @@ def join_job() -> dict:
         local_rank=int(os.environ["LOCAL_RANK"]),  # rank on this machine: picks the GPU
         world_size=int(os.environ["WORLD_SIZE"]),  # processes in the whole job
         node=int(os.environ["GROUP_RANK"]),  # this machine's number in the job
-        store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",  # the job's store
+        store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",  # the workers' store
     )
     if torch.cuda.is_available():
         torch.cuda.set_device(where["local_rank"])  # this process's GPU: cuda:<local rank>

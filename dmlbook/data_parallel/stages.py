@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dmlbook.comm.groups import group_rank_size
+from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.data_parallel.averaging import average_gradients_per_parameter
 from dmlbook.datasets import shard_indices
 
-__all__ = ["STAGES", "StageClock", "train_in_six_stages"]
+__all__ = ["STAGES", "StageClock", "train_in_six_stages", "warm_up"]
 
 STAGES = ("pre-processing", "partition", "loading", "training", "synchronisation", "update")
 
@@ -59,6 +59,7 @@ def train_in_six_stages(
     step; the ranks' gradients are averaged, so every rank takes the same optimizer step."""
     rank, world = group_rank_size(group)
     local = global_batch // world  # samples per rank and step
+    warm_up(model, x_raw[rank * local : (rank + 1) * local], y[:local], group)
     with clock("pre-processing"):  # 1. normalise the raw pixels (mean 0, standard deviation 1)
         x = (x_raw - x_raw.mean()) / x_raw.std()
     for epoch in range(epochs):
@@ -75,3 +76,16 @@ def train_in_six_stages(
                 average_gradients_per_parameter(model, group)
             with clock("update"):  # 6. the optimizer step, the same on every rank
                 optimizer.step()
+
+
+def warm_up(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, group=None) -> None:
+    """One untimed forward, backward and gradient all-reduce, then a barrier; no update.
+
+    The first call of each kind pays one-off costs (allocating buffers, gloo's first
+    connection), and the ranks start at different moments: without this, the first all-reduce
+    would hold both, on whichever rank arrived first. The gradients are dropped, so the model
+    is left exactly as it was."""
+    F.cross_entropy(model(inputs), targets).backward()
+    average_gradients_per_parameter(model, group)
+    model.zero_grad(set_to_none=True)
+    barrier(group)  # the clocks start with every rank here

@@ -4,7 +4,7 @@
    data-parallel pipeline: each rank scores its own shard of the test set, and one all-reduce of
    (correct, count) makes the accuracy exact over the whole set, on every rank, even when the
    shards differ in size (averaging the ranks' accuracies is then wrong). The checker counts the
-   collectives each rank calls: one is enough.
+   collectives each rank calls (one is enough) and the bytes it hands them (two numbers are).
 2. ``check_atomic_save``: write ``atomic_save(obj, path)``, the checkpointing rule that a crash
    mid-save never destroys the last good checkpoint: write a temporary file in the same directory,
    flush and fsync it (so that a power cut cannot lose its data), then rename it over ``path`` in
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,11 +38,11 @@ TEST_SIZES = ((2, 11), (3, 10), (4, 7))  # (world size, test samples): shards of
 
 def _eval_data(n: int):
     g = torch.Generator().manual_seed(5)
-    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
 def _eval_model() -> nn.Module:
-    return models.mlp(seed=2, in_features=4, hidden=(8,), out_features=3)
+    return models.mlp(seed=2, in_features=16, hidden=(8,), out_features=3)
 
 
 def _shard(n: int, rank: int, world: int) -> slice:
@@ -59,21 +60,40 @@ _COLLECTIVES = (
 )  # fmt: skip
 
 
+MAX_BYTES = 64  # what a rank may send: a few numbers, never the data or per-sample results
+
+
+def _payload_bytes(name: str, args, kwargs) -> int:
+    """Bytes a collective call hands over: its tensors' sizes, and for an ``*_object*``
+    collective its objects' pickled sizes. An all-gather's output (its first argument) is
+    not counted: it is what arrives."""
+    if name.startswith("all_gather"):
+        args = args[1:]
+    total = 0
+    for value in [*args, *kwargs.values()]:
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(item, torch.Tensor):
+                total += item.numel() * item.element_size()
+            elif "object" in name and item is not None and not isinstance(item, int):
+                total += len(pickle.dumps(item))
+    return total
+
+
 @contextmanager
-def _counting_collectives(answer: Callable) -> Iterator[list[str]]:
+def _counting_collectives(answer: Callable) -> Iterator[list[tuple[str, int]]]:
     """Record, in the yielded list, each collective the block calls (a collective that calls
-    others counts once), wherever ``answer`` finds it: ``dist.``, chapter 2's ``collectives.``,
-    or a name imported into its globals."""
+    others counts once) with the bytes it was handed, wherever ``answer`` finds it: ``dist.``,
+    chapter 2's ``collectives.``, or a name imported into its globals."""
     from dmlbook.comm import collectives
 
-    calls: list[str] = []
+    calls: list[tuple[str, int]] = []
     depth = [0]
 
     def counting(name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             if depth[0] == 0:
-                calls.append(name)
+                calls.append((name, _payload_bytes(name, args, kwargs)))
             depth[0] += 1
             try:
                 return original(*args, **kwargs)
@@ -103,7 +123,7 @@ def _counting_collectives(answer: Callable) -> Iterator[list[str]]:
         spaces.update(bound)
 
 
-def _sharded_accuracy_on_rank(fn: Callable, n: int) -> tuple[float, list[str]]:
+def _sharded_accuracy_on_rank(fn: Callable, n: int) -> tuple[float, list[tuple[str, int]]]:
     x, y = _eval_data(n)
     mine = _shard(n, dist.get_rank(), dist.get_world_size())
     with _counting_collectives(fn) as calls:
@@ -124,10 +144,19 @@ def check_sharded_accuracy(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor],
         with learner_code(call):
             got = run_answer(_sharded_accuracy_on_rank, world, fn, n, timeout=30)
         for rank, (value, calls) in enumerate(got):
+            names = [name for name, _ in calls]
+            sent = sum(size for _, size in calls)
+            if sent > MAX_BYTES:
+                raise ExerciseFailed(
+                    f"{call}: rank {rank} handed {sent} bytes to {', '.join(names)}, where two "
+                    "numbers (16 bytes) are enough: moving the shards (or a result per sample) "
+                    "to every rank costs bandwidth and makes every rank score every sample. "
+                    "Score your own shard, then all-reduce (correct, total)"
+                )
             if abs(value - expected) < 1e-6 and len(calls) > 1:
                 raise ExerciseFailed(
                     f"{call}: the accuracy is right, but rank {rank} called {len(calls)} "
-                    f"collectives ({', '.join(calls)}) where one is enough: each collective "
+                    f"collectives ({', '.join(names)}) where one is enough: each collective "
                     "pays a whole round of latency. Put (correct, total) in one tensor and "
                     "all-reduce it once"
                 )
@@ -135,13 +164,27 @@ def check_sharded_accuracy(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor],
                 continue
             shards = [_shard(n, r, world) for r in range(world)]
             local = [right[s].sum().item() / (s.stop - s.start) for s in shards]
+            correct = right.sum().item()
             hint = ""
-            if abs(value - local[rank]) < 1e-6:
+            if abs(value - local[rank]) < 1e-6 and "reduce" in names:
+                hint = (
+                    ": that is this rank's own shard only. dist.reduce delivers the sum to one "
+                    "rank only (dst); the others keep their own counts. all_reduce delivers it "
+                    "to every rank"
+                )
+            elif abs(value - local[rank]) < 1e-6:
                 hint = ": that is this rank's own shard only. Combine the ranks with all_reduce"
             elif abs(value - sum(local) / world) < 1e-6:
                 hint = (
                     ": that is the mean of the ranks' accuracies, which weighs a small shard as "
                     "much as a big one. All-reduce the counts (correct, total), then divide"
+                )
+            elif value > 0 and abs(correct / value - round(correct / value)) < 1e-6:
+                hint = (
+                    f": that is the right number of correct answers ({correct}) divided by "
+                    f"{round(correct / value)}, not by the {n} samples the ranks hold together. "
+                    "Count the samples on each rank and all-reduce the count: a fixed size "
+                    "(such as len(x_test)) is wrong on any other data"
                 )
             raise ExerciseFailed(
                 f"{call}: rank {rank} returned {value:.4f}, expected {expected:.4f} (shard sizes "
