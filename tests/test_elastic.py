@@ -10,6 +10,8 @@ import atexit
 import functools
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -334,6 +336,53 @@ def test_serving_pool_follows_the_rate_and_answers_like_the_model():
     assert len({p for p in report.worker_of}) >= 3  # the new workers really served requests
     time.sleep(0.2)
     assert not [p for p in report.pids if el.alive(p)]
+
+
+def test_two_pools_side_by_side_and_their_queues():
+    model, x = models.mlp(seed=1), load_digits("test")[0]
+    phases = [(0.3, 10), (0.6, 60), (0.3, 10)]
+    elastic, fixed = el.serve_side_by_side(
+        model, x, phases, [el.Autoscaler(max_workers=5), el.FixedPool(workers=1)], service_s=0.05
+    )
+    with torch.no_grad():
+        expected = model(x[[i % len(x) for i in range(len(fixed.latency))]])
+    for report in (elastic, fixed):
+        torch.testing.assert_close(report.answers, expected)
+        assert report.waiting(-1.0) == 0 and report.waiting(100.0) == 0  # before and after
+    assert {n for _, _, n in fixed.pool} == {1}
+    # one worker at 20 req/s against 60: its queue at the end of the burst holds most of it
+    assert fixed.waiting(0.9) >= 15
+
+
+def test_the_serving_pool_picture_draws_live_workers_and_free_slots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dmlbook import viz
+
+    ax = viz.serving_pool(workers=2, max_workers=5)
+    texts = [t.get_text() for t in ax.texts]
+    assert sum(t.startswith("worker ") for t in texts) == 2
+    assert texts.count("(can start)") == 3
+    assert any("max_workers = 5" in t for t in texts)
+    plt.close(ax.figure)
+
+
+@pytest.mark.timeout(120)
+def test_serving_from_a_script_without_a_main_guard_says_so(tmp_path):
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "from dmlbook import models\n"
+        "from dmlbook.advanced import elastic as el\n"
+        "from dmlbook.datasets import load_digits\n"
+        "el.serve_elastic(models.mlp(), load_digits('test')[0], [(0.2, 10)])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=110)  # fmt: skip
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__"' in done.stderr, done.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- a whole host dies

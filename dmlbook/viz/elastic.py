@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
-__all__ = ["Generation", "agents_and_workers", "epoch_by_generation"]
+__all__ = ["Generation", "agents_and_workers", "epoch_by_generation", "serving_pool"]
 
 
 @dataclass(frozen=True)
@@ -116,4 +116,69 @@ def epoch_by_generation(
     ax.set_ylim(-len(rows) + 0.4, 0.6)
     ax.set_yticks([-y for y in range(len(rows))], list(rows))
     ax.set_xlabel("position in the epoch's shuffled order (samples); numbers: global steps")
+    return ax
+
+
+def serving_pool(
+    workers: int = 3,
+    max_workers: int = 6,
+    interval: float = 0.2,
+    window: float = 0.6,
+    target: float = 0.7,
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """An elastic serving pool: requests join one queue, and whichever worker is free takes the
+    next; every ``interval`` seconds the autoscaler counts the arrivals of the last ``window``
+    seconds and starts or stops workers (``workers`` running, dashed slots up to
+    ``max_workers``)."""
+    ax = ax or plt.subplots(figsize=(10, 4.2))[1]
+    ax.annotate("", xy=(2.0, 1.5), xytext=(0.2, 1.5), arrowprops=dict(arrowstyle="-|>", lw=1.5))
+    ax.text(1.1, 1.35, "requests arrive\n(rate r per second)", ha="center", va="top", fontsize=8)
+    ax.add_patch(plt.Rectangle((2.0, 1.1), 2.2, 0.8, fc="#fde9c4", ec="k"))
+    for k in range(6):  # waiting requests
+        ax.add_patch(plt.Rectangle((3.85 - k * 0.3, 1.25), 0.22, 0.5, fc="tab:orange", alpha=0.6))
+    ax.text(3.1, 0.95, "one queue: requests that wait\n(the next free worker takes the first)",
+            ha="center", va="top", fontsize=8)  # fmt: skip
+    slot_h, top = 3.0 / max_workers, 3.0
+    for w in range(max_workers):
+        y = top - (w + 1) * slot_h
+        live = w < workers
+        fc, ec, ls = ("#cfe0f3", "k", "-") if live else ("w", "0.6", "--")
+        ax.add_patch(plt.Rectangle((5.4, y + 0.05), 1.8, slot_h - 0.1, fc=fc, ec=ec, ls=ls))
+        ax.text(6.3, y + slot_h / 2, f"worker {w}: a process" if live else "(can start)",
+                ha="center", va="center", fontsize=7, color="k" if live else "0.5")  # fmt: skip
+        ax.annotate(
+            "",
+            xy=(5.4, y + slot_h / 2),
+            xytext=(4.2, 1.5),
+            arrowprops=dict(arrowstyle="-|>", lw=0.6, color="k" if live else "0.8"),
+        )
+        if live:
+            ax.annotate("", xy=(8.3, 1.5), xytext=(7.2, y + slot_h / 2),
+                        arrowprops=dict(arrowstyle="-", lw=0.6))  # fmt: skip
+    ax.annotate("", xy=(9.4, 1.5), xytext=(8.3, 1.5), arrowprops=dict(arrowstyle="-|>", lw=1.5))
+    ax.text(8.85, 1.65, "answers", ha="center", va="bottom", fontsize=8)
+    ax.add_patch(plt.Rectangle((1.0, 3.35), 6.2, 0.95, fc="#e4f2e1", ec="k"))
+    ax.text(4.1, 3.82, f"autoscaler, every {interval} s:  r = (arrivals in the last {window} s) "
+            f"/ {window} s\nworkers = ceil(r x service_s / {target}), "
+            f"between min_workers and max_workers = {max_workers}",
+            ha="center", va="center", fontsize=8)  # fmt: skip
+    ax.annotate(
+        "",
+        xy=(1.1, 3.35),
+        xytext=(1.1, 1.55),
+        arrowprops=dict(arrowstyle="-|>", lw=1, ls="--", color="tab:green"),
+    )
+    ax.text(1.0, 2.45, "counts\narrivals", ha="right", va="center", fontsize=7, color="tab:green")
+    ax.annotate(
+        "",
+        xy=(6.9, 3.02),
+        xytext=(6.9, 3.35),
+        arrowprops=dict(arrowstyle="-|>", lw=1, color="tab:green"),
+    )
+    ax.text(7.35, 3.82, "starts a new worker process,\nor tells one to stop after\n"
+            "the request it holds", fontsize=7, color="tab:green", va="center")  # fmt: skip
+    ax.set_xlim(-0.5, 9.6)
+    ax.set_ylim(-0.1, 4.45)
+    ax.set_axis_off()
     return ax

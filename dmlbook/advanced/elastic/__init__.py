@@ -35,7 +35,8 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
 
 3. **Elastic serving** (:func:`serve_elastic`): a pool of inference worker processes that an
    :class:`Autoscaler` grows and shrinks with the measured request rate (a :class:`FixedPool`
-   is the baseline), with every request's latency.
+   is the baseline), with every request's latency; :func:`serve_side_by_side` runs several
+   pools at the same time, so that they share the machine as it is and compare fairly.
 
 The parts, each a module of this package: ``training`` (the worker, its data order and learning
 rate, the reference), ``agents`` (torchrun's agents from Python) and ``serving``; every public
@@ -58,6 +59,7 @@ from dmlbook.advanced.elastic.serving import (
     ServingReport,
     request_schedule,
     serve_elastic,
+    serve_side_by_side,
 )
 from dmlbook.advanced.elastic.training import (
     ElasticConfig,
@@ -97,6 +99,7 @@ __all__ = [
     "samples_by_generation",
     "samples_trained",
     "serve_elastic",
+    "serve_side_by_side",
     "torchrun_command",
     "uninterrupted_run",
     "train_worker",

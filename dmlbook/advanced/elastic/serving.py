@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import math
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,19 +21,22 @@ from torch import nn
 # --------------------------------------------------------------------------- elastic serving
 
 
-def _inference_worker(model: nn.Module, requests, answers, service_s: float) -> None:
-    """Answer requests until a ``None`` arrives; each takes at least ``service_s`` seconds."""
+def _inference_worker(model_bytes: bytes, requests, answers, ready, service_s: float) -> None:
+    """Answer requests until a ``None`` arrives; each holds the worker for ``service_s``."""
     torch.set_num_threads(1)
-    answers.put(("up", os.getpid(), time.time()))
+    model = torch.load(io.BytesIO(model_bytes), weights_only=False)  # a copy of its own
+    ready.put(("up", os.getpid(), time.time()))
+    free_at = time.monotonic()  # when this worker can begin its next request
     with torch.no_grad():
         while (item := requests.get()) is not None:
-            request_id, features = item
-            began = time.perf_counter()
+            request_id, features, sent_at = item  # sent_at: the sender's time.monotonic()
             out = model(torch.from_numpy(features)).numpy()
-            # stand-in for a bigger model: the request holds the worker for service_s in all
-            time.sleep(max(0.0, service_s - (time.perf_counter() - began)))
+            # Stand-in for a bigger model on an accelerator: a request takes service_s of the
+            # worker's own clock, from when it was sent or when the one before was done,
+            # whichever is later. The pace holds even when a busy machine wakes us late.
+            free_at = max(free_at, sent_at) + service_s
+            time.sleep(max(0.0, free_at - time.monotonic()))
             answers.put((request_id, out, os.getpid()))
-    answers.put(("down", os.getpid(), time.time()))
 
 
 @dataclass
@@ -47,6 +53,10 @@ class ServingReport:
     )  # (t, measured rate, workers)
     started: list[float] = field(default_factory=list)  # seconds from asking to a worker being up
     pids: list[int] = field(default_factory=list)  # every worker process ever started
+
+    def waiting(self, at: float) -> int:
+        """The queue at time ``at``: requests sent by then and not yet answered."""
+        return sum(1 for s, w in zip(self.sent, self.latency, strict=True) if s <= at < s + w)
 
 
 @dataclass(frozen=True)
@@ -114,15 +124,21 @@ class _WorkerPool:
 
     def __init__(self, model: nn.Module, service_s: float) -> None:
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "dmlbook.models"])
-        self.requests, self.answers = self.ctx.Queue(), self.ctx.Queue()
-        self.model, self.service_s = model, service_s
+        # the workers are forked from a server that imported these once: a new worker starts
+        # without importing anything
+        self.ctx.set_forkserver_preload(["torch", "dmlbook.models", __name__])
+        # simple queues: a put writes to the pipe at once, with no feeder thread to wake
+        self.requests, self.answers = self.ctx.SimpleQueue(), self.ctx.SimpleQueue()
+        self.ready = self.ctx.Queue()  # ("up", pid, wall time) from each worker that started
+        buffer = io.BytesIO()
+        torch.save(model, buffer)  # each worker loads its own copy: nothing shared to set up
+        self.model_bytes, self.service_s = buffer.getvalue(), service_s
         self.procs: list[mp.process.BaseProcess] = []
         self.asked: list[float] = []  # when each was asked for (wall clock)
         self.live = 0  # started and not yet told to stop
 
     def grow(self) -> None:
-        args = (self.model, self.requests, self.answers, self.service_s)
+        args = (self.model_bytes, self.requests, self.answers, self.ready, self.service_s)
         process = self.ctx.Process(target=_inference_worker, args=args)
         self.asked.append(time.time())
         process.start()
@@ -138,6 +154,21 @@ class _WorkerPool:
             self.grow()
         while self.live > want:
             self.shrink()
+
+    def first_up(self, timeout: float = 60) -> tuple:
+        """The next ("up", pid, time) a worker sends; a clear error if the workers die first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.ready.get(timeout=0.2)
+            except queue.Empty:
+                if self.procs and all(p.exitcode is not None for p in self.procs):
+                    raise RuntimeError(
+                        "the serving workers exited before they were up: run serve_elastic from a "
+                        'notebook, or in a script under `if __name__ == "__main__":` (each '
+                        "worker process imports the script, which must not serve again)"
+                    ) from None
+        raise TimeoutError(f"no serving worker was up within {timeout} s")
 
     def close(self) -> None:
         """Stop every worker; kill any that does not stop within 5 s."""
@@ -183,11 +214,14 @@ def serve_elastic(
         for _ in range(scaling.min_workers):
             pool.grow()
         while len(up_times) < scaling.min_workers:  # the first pool is warm before the clock
-            _, pid, at = pool.answers.get(timeout=60)  # ("up", pid, wall time)
+            _, pid, at = pool.first_up()  # ("up", pid, wall time)
             up_times[pid] = at
-        _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times)
+        _send_and_collect(pool, scaling, schedule, inputs, report, outputs)
     finally:
         pool.close()
+    while not pool.ready.empty():  # when each later worker was up (every one has stopped)
+        _, pid, at = pool.ready.get()
+        up_times[pid] = at
     report.answers = torch.from_numpy(np.concatenate(outputs))
     report.pids = [p.pid for p in pool.procs]
     report.started = [
@@ -198,7 +232,24 @@ def serve_elastic(
     return report
 
 
-def _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times) -> None:
+def serve_side_by_side(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    phases: Sequence[tuple[float, float]],
+    scalings: Sequence[Autoscaler | FixedPool],
+    *,
+    service_s: float = 0.02,
+) -> list[ServingReport]:
+    """:func:`serve_elastic` for each of ``scalings`` at the same time, each pool with its own
+    copy of the traffic: the pools share the machine as it is during those seconds, so a busy
+    machine slows them alike and their comparison stays fair."""
+    with ThreadPoolExecutor(len(scalings)) as threads:
+        runs = [threads.submit(serve_elastic, model, inputs, phases, service_s=service_s,
+                               scaling=scaling) for scaling in scalings]  # fmt: skip
+        return [run.result() for run in runs]
+
+
+def _send_and_collect(pool, scaling, schedule, inputs, report, outputs) -> None:
     """Send every request on time while two threads collect the answers and resize the pool."""
     origin, lock, done = time.perf_counter(), threading.Lock(), threading.Event()
     arrivals: list[float] = []
@@ -206,13 +257,10 @@ def _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times
     def collect() -> None:
         received = 0
         while received < len(schedule):
-            first, second, third = pool.answers.get()
-            if first == "up":  # ("up", pid, wall time)
-                up_times[second] = third
-            elif first != "down":  # (request id, output, pid)
-                report.latency[first] = time.perf_counter() - (origin + report.sent[first])
-                outputs[first], report.worker_of[first] = second, third
-                received += 1
+            request_id, output, pid = pool.answers.get()
+            report.latency[request_id] = time.perf_counter() - (origin + report.sent[request_id])
+            outputs[request_id], report.worker_of[request_id] = output, pid
+            received += 1
         done.set()
 
     def autoscale() -> None:
@@ -234,7 +282,8 @@ def _send_and_collect(pool, scaling, schedule, inputs, report, outputs, up_times
         report.sent[i] = time.perf_counter() - origin
         with lock:
             arrivals.append(report.sent[i])
-        pool.requests.put((i, inputs[i % len(inputs)].unsqueeze(0).numpy()))
+        features = inputs[i % len(inputs)].unsqueeze(0).numpy()
+        pool.requests.put((i, features, time.monotonic()))
     if not done.wait(timeout=60):
         raise TimeoutError("the serving pool did not answer every request within 60 s")
     scaler.join(timeout=5)
