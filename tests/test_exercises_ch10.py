@@ -1,5 +1,6 @@
 """Chapter 10's exercise checkers: right answers pass; planted bugs (plain mean, no division by
-the total, dividing by the number of clients, averaging in place; one sign for every pair, no
+the total, dividing by the number of clients, integer division, the first client's state, a
+detour through the ranks' fixed-point upload, averaging in place; one sign for every pair, no
 modulo, masking against every client, a zero mask, the same mask every round, masks not built
 from the pair seeds; a split that ignores alpha, inverts it, drops or repeats samples, ignores the
 seed or accepts alpha <= 0) are caught with a message that says so."""
@@ -59,6 +60,37 @@ def in_place(states, counts):
     return out
 
 
+def integer_division(states, counts):
+    total = sum(counts)
+    return {
+        k: sum(n // total * s[k] for n, s in zip(counts, states, strict=True)) for k in states[0]
+    }
+
+
+def first_client(states, counts):
+    return {k: v.clone() for k, v in states[0].items()}
+
+
+def through_fixed_point(states, counts):
+    """The back door the ranks' code offers: encode n_k * state_k, sum, let server_update divide."""
+    keys = list(states[0])
+    flat = [torch.cat([s[k].double().reshape(-1) for k in keys]) for s in states]
+    total = (
+        sum(
+            fl.encode(torch.cat([n * f, torch.tensor([float(n)], dtype=torch.float64)]))
+            for n, f in zip(counts, flat, strict=True)
+        )
+        % fl.MODULUS
+    )
+    average = fl.server_update(torch.zeros_like(flat[0]), total)
+    out, offset = {}, 0
+    for k in keys:
+        numel = states[0][k].numel()
+        out[k] = average[offset : offset + numel].view_as(states[0][k]).float()
+        offset += numel
+    return out
+
+
 def test_weighted_average_passes_right_answers():
     assert ch10.check_weighted_average(weighted_average).status == "passed"
     assert ch10.check_weighted_average(weighted_average_stacked).status == "passed"
@@ -71,6 +103,9 @@ def test_weighted_average_passes_right_answers():
         (not_normalised, "without dividing by the total"),
         (divided_by_clients, r"n_k / C"),
         (in_place, "in place"),
+        (integer_division, "integer division"),
+        (first_client, "first client's state alone"),
+        (through_fixed_point, "in floats"),
     ],
 )
 def test_weighted_average_catches_planted_bugs(answer, message):
@@ -173,6 +208,20 @@ def dirichlet_split(labels, num_clients, alpha, seed):
     return parts
 
 
+def unshuffled(labels, num_clients, alpha, seed):
+    if alpha <= 0:
+        raise ValueError("alpha must be > 0")
+    rng = np.random.default_rng(seed)
+    y = np.asarray(labels)
+    parts = [[] for _ in range(num_clients)]
+    for cls in np.unique(y):
+        members = np.flatnonzero(y == cls)  # in index order: no shuffle
+        cuts = np.cumsum(rng.dirichlet([alpha] * num_clients))[:-1] * len(members)
+        for client, chunk in enumerate(np.split(members, cuts.astype(int))):
+            parts[client].extend(chunk.tolist())
+    return parts
+
+
 def iid_ignoring_alpha(labels, num_clients, alpha, seed):
     if alpha <= 0:
         raise ValueError("alpha must be > 0")
@@ -233,6 +282,7 @@ def test_dirichlet_split_passes_right_answers():
         (drops_remainders, "Rounding each client's count down"),
         (with_replacement, "went to two clients"),
         (unseeded, "same seed"),
+        (unshuffled, "shuffle each class"),
         (no_value_error, "raise ValueError"),
     ],
 )

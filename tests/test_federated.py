@@ -156,7 +156,12 @@ def test_data_never_leaves_its_rank(world_size, num_clients):
             assert out["iid_calls"] == [] and out["iid"].loaded == []
         for key in ("iid", "weighted", "plain", "secure"):
             for message in out[key].sent:
-                assert message.kind in ("global model", "update", "public keys"), message
+                assert message.kind in (
+                    "global model",
+                    "update",
+                    "public keys",
+                    "public keys (relayed)",
+                ), message
                 if message.kind == "update":
                     assert rank > 0 and message.dst == 0 and message.nbytes == update_bytes
                 elif message.kind == "global model":
@@ -294,3 +299,22 @@ def test_one_round_of_client_update_and_server_update_is_the_weighted_average():
     expected = fl.weighted_average(flats, counts)["w"]
     assert torch.allclose(stepped.double(), expected, atol=1e-6)
     assert torch.equal(w, w0)  # the clients trained copies: the global model is untouched
+
+
+def test_quadratic_fedavg_drifts_only_with_several_local_steps_on_different_clients():
+    hessians = [torch.tensor([[4.0, 0.0], [0.0, 0.5]]), torch.tensor([[0.5, 0.0], [0.0, 4.0]])]
+    optima = [torch.tensor([-1.0, 1.0]), torch.tensor([1.0, -1.0])]
+    best = fl.global_optimum(hessians, optima)
+    # the optimum of the mean loss: the mean gradient vanishes there
+    gradient = sum(a.double() @ (best - c.double()) for a, c in zip(hessians, optima, strict=True))
+    assert torch.allclose(gradient, torch.zeros(2, dtype=torch.float64), atol=1e-12)
+    far = torch.tensor([-2.0, -2.5])
+    one_step = fl.quadratic_fedavg(hessians, optima, far, local_steps=1, lr=0.2, rounds=60)
+    assert (one_step.global_path[-1] - best).norm() < 1e-6  # E = 1: gradient descent
+    many = fl.quadratic_fedavg(hessians, optima, best, local_steps=10, lr=0.2, rounds=30)
+    assert (many.global_path[1] - best).norm() > 0.3  # leaves the optimum in one round
+    assert (many.global_path[-1] - best).norm() > 0.3  # and settles elsewhere
+    assert many.global_path.shape == (31, 2)
+    assert [walk.shape for walk in many.first_round] == [(11, 2), (11, 2)]
+    same = fl.quadratic_fedavg([hessians[0]] * 2, [optima[0]] * 2, far, 10, 0.2, rounds=30)
+    assert (same.global_path[-1] - optima[0]).norm() < 1e-6  # identical clients: no drift

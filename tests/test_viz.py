@@ -95,15 +95,6 @@ def test_pairwise_masks_put_one_plus_and_one_minus_in_each_column():
     plt.close(ax.figure)
 
 
-def test_sample_owners_draw_a_cell_per_position():
-    ax = viz.sample_owners({"a": [None, 0, 1, 0], "b": [None, None, 2, 1]}, {"a": [1, 3]})
-    cells = [p for p in ax.patches if isinstance(p, plt.Rectangle)]
-    assert len(cells) == 8
-    assert len(ax.lines) == 2  # the batch boundaries of row "a"
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
-    plt.close(ax.figure)
-
-
 def test_spans_draw_one_row_per_list():
     ax = viz.spans({"one": [(0, 2), (3, 4)], "two": [(1, 3)]}, shade=[(0, 4)], unit=2)
     widths = [p.get_extents().width for c in ax.collections for p in c.get_paths()]
@@ -134,20 +125,6 @@ def test_idle_gaps_hatches_each_stage_idle_time_and_totals_it():
     assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "idle"
     with pytest.raises(ValueError, match="nothing ran"):
         viz.idle_gaps([[], []])
-
-
-def test_all_to_all_dispatch_colours_each_choice_by_the_rank_holding_its_expert():
-    experts = [[[2, 0], [1, 3]], [[0, 1], [3, 2]]]  # 2 ranks, 2 tokens each, top-2
-    ax = viz.all_to_all_dispatch(experts, [(0, 2), (2, 4)])
-    cells = [(t.get_text(), t.get_position()) for t in ax.texts]
-    assert [c[0] for c in cells] == ["e2", "e1", "e0", "e3", "e0", "e3", "e1", "e2"]
-    colours = [p.get_facecolor()[:3] for p in ax.patches]
-    to_rank = [0 if int(text[1:]) < 2 else 1 for text, _ in cells]
-    for colour, rank in zip(colours, to_rank, strict=True):  # one colour per destination
-        assert colour == colours[to_rank.index(rank)]
-    assert colours[to_rank.index(0)] != colours[to_rank.index(1)]
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend == ["to rank 0 (experts 0-1)", "to rank 1 (experts 2-3)"]
 
 
 def test_ring_attention_blocks_name_the_ring_step_of_each_block():

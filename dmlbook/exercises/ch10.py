@@ -11,7 +11,8 @@
 3. ``check_dirichlet_split``: write ``dirichlet_split(labels, num_clients, alpha, seed)``, each
    client's sample indices when every class is shared out among the clients in proportions
    drawn from Dirichlet(alpha): every sample used exactly once, reproducible for a seed, close
-   to IID for large alpha and skewed for small alpha; alpha <= 0 raises ValueError.
+   to IID for large alpha and skewed for small alpha, each class shuffled before it is cut;
+   alpha <= 0 raises ValueError.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ __all__ = ["check_client_mask", "check_dirichlet_split", "check_weighted_average
 # --------------------------------------------------------------------------- 1. weighted FedAvg
 
 
-def _states(counts: Sequence[int], seed: int) -> list[dict[str, torch.Tensor]]:
+def _states(counts: Sequence[int], seed: int, scale: float = 1.0) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        {"layer.weight": torch.randn(3, 4, generator=g), "layer.bias": torch.randn(3, generator=g)}
+        {
+            "layer.weight": scale * torch.randn(3, 4, generator=g),
+            "layer.bias": scale * torch.randn(3, generator=g),
+        }
         for _ in counts
     ]
 
@@ -58,22 +62,44 @@ def _average_mistakes(states, counts) -> dict[str, dict[str, torch.Tensor]]:
         "weighted by n_k / C (the number of clients); divide by the total count sum(n) instead": {
             k: v * sum(counts) / c for k, v in _weighted(states, counts).items()
         },
+        "all zeros, what integer division gives: n_k // sum(n) is 0 for every client; divide "
+        "with / (n_k / sum(n))": {k: torch.zeros_like(v) for k, v in states[0].items()},
+        "the first client's state alone; the average runs over every client k": states[0],
+        "the last client's state alone; the average runs over every client k": states[-1],
     }
 
 
-CASES = [([30, 10, 60], 0), ([100, 1], 1), ([7], 2), ([5, 5, 5, 5], 3), ([1, 2, 3, 4, 50], 4)]
+# (counts, seed, scale): the last is a federation of big clients with large weights, where a
+# fixed-point detour (fl.encode's integers hold |n_k * w| below 2**23) overflows.
+CASES = [
+    ([30, 10, 60], 0, 1.0),
+    ([100, 1], 1, 1.0),
+    ([7], 2, 1.0),
+    ([5, 5, 5, 5], 3, 1.0),
+    ([1, 2, 3, 4, 50], 4, 1.0),
+    ([250_000, 40_000, 90_000], 5, 60.0),
+]
 
 
 @checker("weighted_average", writes=("dmlbook.advanced.federated.fedavg.weighted_average",))
 def check_weighted_average(fn: Callable[[list[dict], list[int]], dict]) -> str:
     """Check ``fn(states, counts)`` returns sum_k counts[k] / sum(counts) * states[k] for every
     key, leaving ``states`` unchanged."""
-    for counts, seed in CASES:
-        states = _states(counts, seed)
+    for counts, seed, scale in CASES:
+        states = _states(counts, seed, scale)
         before = [{k: v.clone() for k, v in s.items()} for s in states]
         call = f"your weighted_average(<{len(counts)} client states>, counts={counts})"
-        with learner_code(call):
-            got = fn(states, list(counts))
+        try:
+            with learner_code(call):
+                got = fn(states, list(counts))
+        except ExerciseFailed as failure:
+            if "fixed point" not in str(failure):
+                raise
+            raise ExerciseFailed(
+                f"{failure}. The fixed-point integers of fl.encode (what the ranks send) hold "
+                "only |n_k * w| < 2**23, and the server's step is what you are asked to write: "
+                "compute the weighted average of the state dicts in floats"
+            ) from failure
         for s, b in zip(states, before, strict=True):
             if any(not torch.equal(s[k], b[k]) for k in b):
                 raise ExerciseFailed(
@@ -99,7 +125,10 @@ def check_weighted_average(fn: Callable[[list[dict], list[int]], dict]) -> str:
             f"{call} gave {key} = {torch.as_tensor(got[key]).tolist()}, expected "
             f"{[round(x, 5) for x in want[key].tolist()]}{hint}"
         )
-    return f"right on {len(CASES)} sets of clients (one client, equal and very unequal counts)"
+    return (
+        f"right on {len(CASES)} sets of clients (one client, equal and very unequal counts, "
+        "clients of 250,000 samples)"
+    )
 
 
 # --------------------------------------------------------------------------- 2. pairwise masks
@@ -203,6 +232,23 @@ def _as_index_list(parts, call: str, num_clients: int) -> list[torch.Tensor]:
     return parts
 
 
+def _in_index_order(labels: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """True when, for every class, each client's samples of it are one consecutive run of the
+    class's indices in sorted order (an unshuffled cut). Pairs that hold 0-2 samples or the
+    whole class say nothing and are skipped; at least 5 others must be seen."""
+    seen = 0
+    for cls in labels.unique():
+        members = torch.nonzero(labels == cls).flatten()  # sorted
+        position = {int(i): p for p, i in enumerate(members.tolist())}
+        for part in parts:
+            held = sorted(position[int(i)] for i in part.tolist() if int(i) in position)
+            if 3 <= len(held) < len(members):
+                seen += 1
+                if held[-1] - held[0] + 1 != len(held):
+                    return False
+    return seen >= 5
+
+
 @checker("dirichlet_split", writes=("dmlbook.advanced.federated.splits.dirichlet_split",))
 def check_dirichlet_split(fn: Callable[[torch.Tensor, int, float, int], Sequence]) -> str:
     """Check ``fn(labels, num_clients, alpha, seed)`` on the digits labels: one index array per
@@ -237,6 +283,14 @@ def check_dirichlet_split(fn: Callable[[torch.Tensor, int, float, int], Sequence
             if any(not torch.equal(a, b) for a, b in zip(parts, again, strict=True)):
                 raise ExerciseFailed(f"{call} gave different splits for the same seed")
             found.append(fl.label_skew(labels, parts))
+            if alpha == 1.0 and seed == 0 and _in_index_order(labels, parts):
+                raise ExerciseFailed(
+                    f"{call} gave every client a consecutive run of each class's samples in "
+                    "index order (client 0 the first ones, then client 1, ...): shuffle each "
+                    "class's indices (rng.permutation) before cutting them, or the split depends "
+                    "on the order the data was stored in (client 0 gets the earliest-collected "
+                    "samples of every class)"
+                )
         skews[alpha] = sum(found) / len(found)
     if not skews[100.0] < 0.15 < 0.4 < skews[0.1]:
         hint = (

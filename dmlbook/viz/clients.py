@@ -1,9 +1,7 @@
-"""Who trains on what when clients come and go: FedAvg rounds, secure aggregation's masks and
-elastic training's samples.
+"""Federated learning's clients: FedAvg rounds, client drift and secure aggregation's masks.
 
-Chapter 10 draws a FedAvg round and secure aggregation's pairwise masks with ``fedavg_round`` and
-``pairwise_masks``; chapter 11 which rank trains which sample across a resize with
-``sample_owners``.
+Chapter 10 draws a FedAvg round, client drift on two quadratic clients and secure aggregation's
+pairwise masks with ``fedavg_round``, ``client_drift`` and ``pairwise_masks``.
 """
 
 from __future__ import annotations
@@ -11,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
+import torch
 
 __all__ = [
+    "client_drift",
     "fedavg_round",
     "pairwise_masks",
-    "sample_owners",
 ]
 
 
@@ -85,31 +84,50 @@ def pairwise_masks(participants: Sequence[int], ax: plt.Axes | None = None) -> p
     return ax
 
 
-def sample_owners(
-    owners: dict[str, Sequence[int | None]],
-    edges: dict[str, Sequence[int]] | None = None,
-    title: str = "",
-    ax: plt.Axes | None = None,
-) -> plt.Axes:
-    """A strip per row of ``owners`` across an epoch's sample positions (chapter 11), each
-    position coloured by the rank that trains it (grey: ``None``, trained before), with the
-    global batches' boundaries from ``edges`` as black ticks."""
-    ax = ax or plt.subplots(figsize=(10, 0.7 * len(owners) + 0.9))[1]
-    colours = plt.get_cmap("tab10")
-    for y, (name, row) in enumerate(owners.items()):
-        for pos, rank in enumerate(row):
-            colour = "0.85" if rank is None else colours(rank)
-            ax.add_patch(plt.Rectangle((pos, -y - 0.4), 1, 0.8, ec="white", lw=0.3, color=colour))
-        for edge in (edges or {}).get(name, []):
-            ax.plot([edge, edge], [-y - 0.5, -y + 0.5], color="k", lw=1.2)
-    ranks = sorted({r for row in owners.values() for r in row if r is not None})
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r)) for r in ranks]
-    handles.append(plt.Rectangle((0, 0), 1, 1, color="0.85"))
-    ax.legend(handles, [f"rank {r}" for r in ranks] + ["trained before"], fontsize=7,
-              ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.35))  # fmt: skip
-    ax.set_xlim(0, max(len(row) for row in owners.values()))
-    ax.set_ylim(-len(owners) + 0.4, 0.6)
-    ax.set_yticks([-y for y in range(len(owners))], list(owners))
-    ax.set_xlabel("position in the epoch's shuffled order")
-    ax.set_title(title, fontsize=9)
-    return ax
+def client_drift(
+    hessians: Sequence[torch.Tensor],
+    optima: Sequence[torch.Tensor],
+    optimum: torch.Tensor,
+    one_round: object,
+    runs: dict[str, object],
+    axes: Sequence[plt.Axes] | None = None,
+) -> Sequence[plt.Axes]:
+    """Client drift (chapter 10) on 2-D quadratic clients, over the contours of each client's
+    loss, its optimum c_k and the global optimum. Left: ``one_round`` (a ``DriftRun``), every
+    client's local steps from the same w and their average. Right: the global model round by
+    round for every run in ``runs`` (label -> ``DriftRun``)."""
+    fig = None
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    left, right = axes
+    grid = torch.linspace(-2.6, 1.6, 120, dtype=torch.float64)
+    gx, gy = torch.meshgrid(grid, grid, indexing="xy")
+    points = torch.stack([gx, gy], -1)  # (120, 120, 2)
+    for k, (a, c) in enumerate(zip(hessians, optima, strict=True)):
+        d = points - c.double()
+        loss = 0.5 * torch.einsum("...i,ij,...j->...", d, a.double(), d)
+        for ax in axes:
+            ax.contour(gx, gy, loss, levels=[0.05, 0.3, 1, 2.5], colors=f"C{k}", alpha=0.35,
+                       linewidths=0.8)  # fmt: skip
+            ax.plot(*c, "o", color=f"C{k}", ms=8, label=f"client {k}'s optimum c_{k}")
+    for ax in axes:
+        ax.plot(*optimum, "k*", ms=14, label="global optimum (both clients' data)", zorder=5)
+        ax.set(xlabel="w[0]", ylabel="w[1]", aspect="equal")
+    for k, walk in enumerate(one_round.first_round):
+        left.plot(walk[:, 0], walk[:, 1], ".-", color=f"C{k}", lw=1, ms=4,
+                  label=f"client {k}'s local steps")  # fmt: skip
+    left.plot(*one_round.global_path[1], "D", color="tab:red", ms=8, zorder=6,
+              label="their average: w after the round")  # fmt: skip
+    steps = len(one_round.first_round[0]) - 1
+    left.set_title(f"One round of {steps} local steps, starting at the global optimum", fontsize=9)
+    for i, (name, run) in enumerate(runs.items()):
+        path = run.global_path
+        right.plot(path[:, 0], path[:, 1], ["-", "--", ":"][i % 3], marker="o", ms=3,
+                   color=["tab:green", "tab:red", "tab:purple"][i % 3], lw=1,
+                   label=f"global w round by round, {name}")  # fmt: skip
+    right.set_title("FedAvg from a far start: where the global model settles", fontsize=9)
+    for ax in axes:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    if fig is not None:
+        fig.tight_layout()
+    return axes

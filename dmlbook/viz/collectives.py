@@ -1,11 +1,10 @@
-"""Who holds which chunk, and who sends to whom: collectives drawn step by step.
+"""Who holds which chunk, and who sends to whom: collectives drawn step by step (chapter 2).
 
 Chapter 2 draws a parameter server's layout with ``ps_layout``, its workers' steps in time with
-``ps_timeline``, which chunk of a ring
-all-reduce sits where with ``chunk_grid`` (a slider steps through it) and who sends to whom at
-each step of the tree, recursive doubling and the ring with ``message_schedule`` (its key:
-``schedule_legend``); chapter 13 draws an all-to-all dispatch of tokens to experts with
-``all_to_all_dispatch``.
+``ps_timeline`` (its key: ``ps_timeline_legend``), which chunk of a ring all-reduce sits where
+with ``chunk_grid`` (a slider steps through it) and who sends to whom at each step of the tree,
+recursive doubling and the ring with ``message_schedule`` (its key: ``schedule_legend``).
+Chapter 13 draws an expert-parallel round trip with :func:`dmlbook.viz.layouts.moe_round_trip`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 
 __all__ = [
-    "all_to_all_dispatch",
     "chunk_grid",
     "message_schedule",
     "ps_layout",
@@ -215,48 +213,3 @@ def ps_timeline_legend(fig: plt.Figure) -> None:
     ]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
 
-
-def all_to_all_dispatch(
-    experts: Sequence[Sequence[Sequence[int]]],
-    expert_ranges: Sequence[tuple[int, int]],
-    title: str = "",
-    ax: plt.Axes | None = None,
-) -> plt.Axes:
-    """Where an all-to-all dispatch sends each token: one block of rows per source rank (one row
-    per routing choice, first choice on top), one column per token, the cell naming the token's
-    expert and coloured by the rank that holds it. ``experts[r][t]`` lists token t's experts on
-    rank r (``Routing.expert``); ``expert_ranges[d]`` is rank d's ``[start, stop)`` of experts."""
-    world = len(experts)
-    k = max((len(choices) for rank in experts for choices in rank), default=1)
-    n = max((len(rank) for rank in experts), default=0)
-    ax = ax or plt.subplots(figsize=(0.42 * n + 2.6, 0.32 * world * k + 1.2))[1]
-    colours = plt.get_cmap("tab10")
-
-    def holder(expert: int) -> int:
-        return next(d for d, (lo, hi) in enumerate(expert_ranges) if lo <= expert < hi)
-
-    ticks, names = [], []
-    for src, tokens in enumerate(experts):
-        for choice in range(k):
-            y = src * (k + 0.5) + choice
-            ticks.append(y)
-            names.append(f"rank {src}, choice {choice + 1}")
-            for t, choices in enumerate(tokens):
-                if choice >= len(choices):
-                    continue
-                e = int(choices[choice])
-                ax.add_patch(plt.Rectangle((t - 0.45, y - 0.45), 0.9, 0.9,
-                                           color=colours(holder(e) % 10), alpha=0.45))  # fmt: skip
-                ax.text(t, y, f"e{e}", ha="center", va="center", fontsize=7)
-    ax.set_xlim(-0.6, n - 0.4)
-    ax.set_ylim(ticks[-1] + 0.6 if ticks else 1, -0.6)
-    ax.set_yticks(ticks, names, fontsize=7)
-    ax.set_xticks(range(n), [f"t{t}" for t in range(n)], fontsize=7)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(d % 10), alpha=0.45)
-               for d in range(len(expert_ranges))]  # fmt: skip
-    legend = [f"to rank {d} (experts {lo}-{hi - 1})" for d, (lo, hi) in enumerate(expert_ranges)]
-    ax.legend(handles, legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_xlabel("token (its position on its own rank)")
-    ax.set_title(title or "all-to-all dispatch: each token's experts, coloured by their rank",
-                 fontsize=9)  # fmt: skip
-    return ax

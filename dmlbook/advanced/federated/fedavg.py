@@ -123,7 +123,7 @@ class Message:
     """One message a rank sent: what it was, to whom, how many bytes, in which round."""
 
     round: int
-    kind: str  # "global model", "update", "public keys"
+    kind: str  # "global model", "update", "public keys", "public keys (relayed)"
     dst: int
     nbytes: int
 
@@ -185,7 +185,7 @@ def client_update(
 ) -> torch.Tensor:
     """One chosen client's part of a FedAvg round: start from the global model w, train it for
     E local epochs on the client's own (x, y), and return the upload [n_k (w_k - w), n_k] as
-    fixed-point ring integers (:func:`encode`)."""
+    fixed-point integers modulo 2**48 (:func:`encode`)."""
     _load_flat(model, global_flat)  # w_k <- w
     generator = _local_generator(config.seed, round_index, client)  # the client's own shuffles
     local_sgd(model, x, y, config.local_epochs, config.lr, config.batch_size, generator)
@@ -195,7 +195,7 @@ def client_update(
 
 
 def server_update(global_flat: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The server's step, from the sum of the round's uploads (ring integers):
+    """The server's step, from the sum of the round's uploads (integers modulo 2**48):
     w + sum_k n_k (w_k - w) / sum_k n_k, the average of the client models weighted by n_k."""
     summed = decode(total)  # [sum_k n_k (w_k - w), sum_k n_k]
     step = summed[:-1] / summed[-1]
@@ -212,6 +212,47 @@ def weighted_average(
         k: sum(n / total * s[k].double() for n, s in zip(counts, states, strict=True))
         for k in states[0]
     }
+
+
+def server_round(
+    global_flat: torch.Tensor, chosen: list[int]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Rank 0's part of a round, after it broadcast w: receive one upload from each chosen
+    client (from the rank that hosts it), add them modulo MODULUS, and take the server's step.
+    Returns the new w and the uploads as received."""
+    world = dist.get_world_size()
+    total = torch.zeros(global_flat.numel() + 1, dtype=torch.int64, device=global_flat.device)
+    received = {}
+    for c in chosen:
+        upload = torch.empty_like(total)
+        dist.recv(upload, src=client_owner(c, world), tag=c)  # communication: rank -> server
+        received[c] = upload
+        total = (total + upload) % MODULUS  # all the server ever does with an upload
+    return server_update(global_flat, total), received
+
+
+def client_round(
+    model: nn.Module,
+    global_flat: torch.Tensor,
+    data: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    chosen: list[int],
+    config: FedAvgConfig,
+    round_index: int,
+    mask: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """A client rank's part of a round, after it received w: every chosen client it hosts
+    (``data``: client -> its (x, y)) trains and sends its upload to rank 0, masked by
+    ``mask(upload, client)`` under secure aggregation. Returns client -> (true, sent) upload."""
+    sent = {}
+    for c in chosen:
+        if c not in data:
+            continue  # hosted by another rank
+        x, y = data[c]
+        upload = client_update(model, global_flat, x, y, config, round_index, c)
+        masked = upload if mask is None else mask(upload, c)
+        dist.send(masked, dst=0, tag=c)  # communication: client's rank -> server
+        sent[c] = (upload, masked)
+    return sent
 
 
 def fedavg(
@@ -246,7 +287,6 @@ def fedavg(
         result.loaded.append(c)
     seeds = _exchange_keys(mine, result) if secure else {}
     global_flat = parameters_to_vector(model.parameters()).detach().clone()
-    size = global_flat.numel() + 1  # n_k * update, then n_k
     for r in range(config.rounds):
         chosen = sample_clients(num_clients, fraction, r, seed)
         result.sampled.append(chosen)
@@ -254,26 +294,22 @@ def fedavg(
             collectives.broadcast(global_flat, src=0, check=False)
         result.sent += [Message(r, "global model", s.dst, s.nbytes) for s in sends]
         if rank == 0:
-            total = torch.zeros(size, dtype=torch.int64, device=here)
-            upload = torch.empty(size, dtype=torch.int64, device=here)
-            for c in chosen:
-                dist.recv(upload, src=client_owner(c, world), tag=c)
-                if record:
-                    result.received.append((r, c, upload.to("cpu", copy=True)))
-                total = (total + upload) % MODULUS  # all the server ever does with an upload
-            global_flat = server_update(global_flat, total)
+            global_flat, received = server_round(global_flat, chosen)
+            if record:
+                result.received += [(r, c, t.to("cpu", copy=True)) for c, t in received.items()]
             if evaluate is not None:
                 _load_flat(model, global_flat)
                 result.accuracy.append(evaluate(model))
             continue
-        for c in (c for c in chosen if c in data):
-            x, y = data[c]
-            upload = client_update(model, global_flat, x, y, config, r, c)
+        mask = None
+        if secure:  # + or - a pairwise mask towards every other chosen client (section 10.6)
+            mask = lambda upload, c, chosen=chosen, r=r: mask_update(  # noqa: E731
+                upload, c, chosen, seeds[c], r
+            )
+        sent = client_round(model, global_flat, data, chosen, config, r, mask)
+        for c, (true, upload) in sent.items():
             if record:
-                result.uploads.append((r, c, upload.to("cpu", copy=True)))
-            if secure:
-                upload = mask_update(upload, c, chosen, seeds[c], r)
-            dist.send(upload, dst=0, tag=c)
+                result.uploads.append((r, c, true.to("cpu", copy=True)))
             result.sent.append(Message(r, "update", 0, upload.numel() * upload.element_size()))
     if rank == 0:
         _load_flat(model, global_flat)
@@ -290,8 +326,11 @@ def _exchange_keys(mine: list[int], result: FedAvgResult) -> dict[int, dict[int,
     dist.gather_object(public, gathered if dist.get_rank() == 0 else None, dst=0)
     relay = [{c: p for part in gathered if part for c, p in part.items()}]
     dist.broadcast_object_list(relay, src=0)  # the server relays every public key
-    if mine:
+    if mine:  # a public key is a number below DH_PRIME = 2**127 - 1: 16 bytes
         result.sent.append(Message(-1, "public keys", 0, 16 * len(mine)))
+    if dist.get_rank() == 0:
+        for dst in range(1, dist.get_world_size()):
+            result.sent.append(Message(-1, "public keys (relayed)", dst, 16 * len(relay[0])))
     return {
         c: {peer: shared_seed(keys[c][0], pub) for peer, pub in relay[0].items() if peer != c}
         for c in mine

@@ -1,4 +1,4 @@
-"""Secure aggregation: fixed-point uploads in a ring, Diffie-Hellman seeds, pairwise masks that
+"""Secure aggregation: fixed-point uploads modulo 2**48, Diffie-Hellman seeds, pairwise masks that
 cancel in the server's sum (Bonawitz et al. 2017; chapter 10, see
 :mod:`dmlbook.advanced.federated`).
 """
@@ -26,7 +26,8 @@ DH_GENERATOR = 3
 
 
 def encode(values: torch.Tensor) -> torch.Tensor:
-    """Floats to the ring: round(x * 2**FRAC_BITS) modulo MODULUS, as int64 in [0, MODULUS)."""
+    """Floats to fixed-point integers modulo MODULUS: round(x * 2**FRAC_BITS) % MODULUS, as
+    int64 in [0, MODULUS); a negative -y becomes MODULUS - y."""
     q = torch.round(values.detach().double() * 2**FRAC_BITS)
     if q.abs().max() >= MODULUS // 2:
         raise ValueError(f"a value of {values.abs().max().item():.3g} overflows the fixed point")
@@ -34,7 +35,8 @@ def encode(values: torch.Tensor) -> torch.Tensor:
 
 
 def decode(encoded: torch.Tensor) -> torch.Tensor:
-    """The ring back to float64: values above MODULUS / 2 are negative (two's complement)."""
+    """Integers modulo MODULUS back to float64: those from MODULUS / 2 up stand for negative
+    numbers (v - MODULUS), the way encode stored them."""
     signed = torch.where(encoded >= MODULUS // 2, encoded - MODULUS, encoded)
     return signed.double() / 2**FRAC_BITS
 
@@ -59,7 +61,7 @@ def shared_seed(my_secret: int, their_public: int) -> int:
 
 def pair_mask(seed: int, round_index: int, numel: int) -> torch.Tensor:
     """The pseudo-random vector a pair of clients expands its seed into for one round: int64,
-    uniform in [0, MODULUS). Both clients of the pair get the same vector."""
+    uniform in [0, MODULUS). Both clients of the pair get the same vector, a new one per round."""
     digest = hashlib.sha256(f"{seed}:{round_index}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & (2**63 - 1))
     return torch.randint(0, MODULUS, (numel,), generator=g, dtype=torch.int64)

@@ -32,7 +32,7 @@ def dirichlet_split(
 ) -> list[torch.Tensor]:
     """Each client's sample indices under label skew: for every class, the shares of its samples
     that go to the clients are drawn from Dirichlet(alpha, ..., alpha). alpha -> infinity is
-    IID; alpha = 0.1 gives most clients one or two classes. Draws again (up to 100 times) until
+    IID; alpha = 0.1 gives each client a few classes. Draws again (up to 100 times) until
     every client has at least ``min_size`` samples. Every index is used exactly once."""
     labels = torch.as_tensor(labels)
     if labels.dim() != 1:
