@@ -1,7 +1,11 @@
 """Chapter 7's exercise checkers: right answers pass; planted bugs (greedy filling, cut positions
-instead of counts, empty stages, no ValueError; no overlap, no fill, (M + P - 1) x slowest, mean
-stage, seconds, micro-batches per second; first-stage ticks, end instead of end - 1, off by one
-either way, per micro-batch) are caught with a message that says so; an answer that calls the
+instead of counts, empty stages, no ValueError, brute force too slow for 60 layers on 8 stages; no
+overlap, no fill, every stage as slow as the slowest, mean stage, one slowest-stage time too many,
+one micro-batch's samples, a layer's cost or the largest layer's as the stage's, seconds,
+micro-batches per second, and hints that never state the formula; first-stage ticks, end instead
+of end - 1, off by one either way, per micro-batch, requests padded to their own micro-batches,
+the first sample's micro-batch, requests placed as if alone) are caught with a message that says
+so; an answer that calls the
 library is told to write the mechanism (``DELEGATING_ANSWERS``, run by
 ``tests/test_exercise_back_doors.py``)."""
 
@@ -74,7 +78,7 @@ def partition_without_valueerror(costs, stages):
 
 
 def partition_brute_force(costs, stages):
-    """Every way to cut: C(n - 1, P - 1) of them, fine for the checker's short cost vectors."""
+    """Every way to cut: C(n - 1, P - 1) of them, too many for 60 layers on 8 stages."""
     if not 1 <= stages <= len(costs):
         raise ValueError(f"cannot split {len(costs)} layers into {stages} stages")
     splits = (
@@ -86,7 +90,12 @@ def partition_brute_force(costs, stages):
 
 def test_linear_partition_passes_right_answers():
     assert ch07.check_linear_partition(partition).status == "passed"
-    assert ch07.check_linear_partition(partition_brute_force).status == "passed"
+
+
+def test_linear_partition_stops_brute_force_and_names_the_cost(monkeypatch):
+    monkeypatch.setattr(ch07, "TIME_LIMIT_S", 2.0)
+    with pytest.raises(ExerciseFailed, match=r"still running after 2 s\. There are C\(59, 7\)"):
+        ch07.check_linear_partition(partition_brute_force)
 
 
 @pytest.mark.parametrize(
@@ -146,6 +155,39 @@ def throughput_per_microbatch(costs, counts, microbatches, size):
     return throughput(costs, counts, microbatches, size) / size
 
 
+def throughput_one_slowest_too_many(costs, counts, microbatches, size):
+    per_stage = stage_sums(costs, counts)
+    return microbatches * size / (sum(per_stage) + microbatches * max(per_stage))
+
+
+def throughput_one_microbatch_of_samples(costs, counts, microbatches, size):
+    return throughput(costs, counts, microbatches, size) / microbatches
+
+
+def throughput_layer_as_stage(costs, counts, microbatches, size):
+    per_stage = list(costs[: len(counts)])
+    return microbatches * size / (sum(per_stage) + (microbatches - 1) * max(per_stage))
+
+
+def throughput_largest_layer(costs, counts, microbatches, size):
+    per_stage, start = [], 0
+    for c in counts:
+        per_stage.append(max(costs[start : start + c]))
+        start += c
+    return microbatches * size / (sum(per_stage) + (microbatches - 1) * max(per_stage))
+
+
+def throughput_unrecognised(costs, counts, microbatches, size):
+    return 1.5 * throughput(costs, counts, microbatches, size)
+
+
+def test_pipeline_throughput_hints_do_not_state_the_formula():
+    for answer in (throughput_unrecognised, throughput_balanced_formula, throughput_steady_state):
+        with pytest.raises(ExerciseFailed) as failed:
+            ch07.check_pipeline_throughput(answer)
+        assert "M - 1" not in str(failed.value) and "sum +" not in str(failed.value)
+
+
 def test_pipeline_throughput_passes_the_right_answer():
     assert ch07.check_pipeline_throughput(throughput).status == "passed"
 
@@ -155,8 +197,13 @@ def test_pipeline_throughput_passes_the_right_answer():
     [
         (throughput_no_overlap, "no overlap"),
         (throughput_steady_state, "forgets the fill"),
-        (throughput_balanced_formula, r"\(M \+ P - 1\) x the slowest stage"),
-        (throughput_mean_stage, "mean stage cost"),
+        (throughput_balanced_formula, "as if every stage cost as much as the slowest"),
+        (throughput_mean_stage, "paced by the mean stage"),
+        (throughput_one_slowest_too_many, "one slowest-stage time too many"),
+        (throughput_one_microbatch_of_samples, "the samples of one micro-batch"),
+        (throughput_layer_as_stage, r"taken as layer_costs\[s\]"),
+        (throughput_largest_layer, "taken as its largest layer"),
+        (throughput_unrecognised, "Draw this case on a time axis"),
         (throughput_in_seconds, "return samples per second"),
         (throughput_per_microbatch, "each carries microbatch_size samples"),
     ],
@@ -199,6 +246,23 @@ def ticks_per_microbatch(sizes, microbatch_size, stages):
     return [k + stages for k in range(n)]
 
 
+def ticks_padded(sizes, microbatch_size, stages):
+    ticks, used = [], 0
+    for n in sizes:
+        used += -(-n // microbatch_size)
+        ticks.append(used - 1 + stages)
+    return ticks
+
+
+def ticks_first_sample(sizes, microbatch_size, stages):
+    starts = [e - n for e, n in zip(itertools.accumulate(sizes), sizes, strict=True)]
+    return [s // microbatch_size + stages for s in starts]
+
+
+def ticks_alone(sizes, microbatch_size, stages):
+    return [(n - 1) // microbatch_size + stages for n in sizes]
+
+
 def test_completion_ticks_passes_the_right_answer():
     assert ch07.check_completion_ticks(completion_ticks).status == "passed"
 
@@ -211,6 +275,9 @@ def test_completion_ticks_passes_the_right_answer():
         (ticks_off_by_one, "off by one tick"),
         (ticks_from_zero, "ticks count from 1"),
         (ticks_per_microbatch, "one tick per request"),
+        (ticks_padded, "in a micro-batch of its own"),
+        (ticks_first_sample, "FIRST sample"),
+        (ticks_alone, "as if it were alone"),
     ],
 )
 def test_completion_ticks_catches_planted_bugs(answer, message):

@@ -6,6 +6,7 @@ bad input raises ValueError, on every rank, without hanging."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import threading
@@ -190,6 +191,24 @@ def test_trainers_taking_turns_equal_single_process(stages):
         assert len(pw.step_times(got)) == 5
     for rank in ranks:  # one reading per step of the time spent ready but without a CPU
         assert len(rank["turns"]["gpt"].cpu_waits) == 5
+        # and each op's CPU time, one per op of the step's timeline
+        result = rank["turns"]["gpt"]
+        assert [len(c) for c in result.op_cpu] == [len(t) for t in result.timelines]
+        assert all(c >= 0 for step in result.op_cpu for c in step)
+        assert pw.busy_cpu_s(result) >= 0
+    ideal = pw.ideal_steps([r["turns"]["gpt"] for r in ranks])
+    assert len(ideal) == 4  # 5 steps, the first left out
+    for step, k in zip(ideal, range(1, 5), strict=True):
+        # the same ops, each lasting its CPU time, no stage doing two at once
+        for s, timeline in enumerate(step):
+            assert [(r.op, r.microbatch) for r in timeline] == [
+                (r.op, r.microbatch) for r in ranks[s]["turns"]["gpt"].timelines[k]
+            ]
+            cpu = ranks[s]["turns"]["gpt"].op_cpu[k]
+            assert [r.end - r.start for r in timeline] == pytest.approx(cpu, abs=1e-12)
+            assert all(b.start >= a.end - 1e-12 for a, b in itertools.pairwise(timeline))
+        assert pw.span_s(step) <= sum(sum(ranks[s]["turns"]["gpt"].op_cpu[k]) for s in
+                                      range(stages)) + 1e-12  # fmt: skip
     burst = ranks[0]["burst"]  # the largest share over the ranks: every rank gets the same
     assert 0 <= burst <= 1 and all(r["burst"] == burst for r in ranks)
 
@@ -265,6 +284,11 @@ def test_pipelined_serving_equals_the_model(stages):
         assert all(0 < latency <= last.total_s for latency in last.latencies)
         windows = ranks[0]["serve", in_flight].timelines
         assert [len(t) for t in windows] == ([1] * 7 if in_flight == 1 else [3, 3, 1])
+        served = [r["serve", in_flight] for r in ranks]
+        assert [len(c) for c in served[0].op_cpu] == [len(t) for t in windows]
+        ideal = pw.ideal_steps(served, skip=0)  # one per window, forwards only
+        assert len(ideal) == len(windows)
+        assert all(r.op == "F" for window in ideal for tl in window for r in tl)
 
 
 def test_the_protocol_sends_activations_forward_and_gradients_back():
@@ -360,3 +384,18 @@ def test_completion_ticks_as_a_table():
     assert completion_ticks([1, 1, 1], 2, 3) == [3, 3, 4]  # two requests share micro-batch 0
     assert completion_ticks([10], 3, 2) == [5]  # four micro-batches, the last one short
     assert completion_ticks([8, 8], 4, 1) == [2, 4]
+
+
+def test_a_serving_gantt_names_only_the_ops_it_draws():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dmlbook import viz
+
+    window = [[pp.OpRecord("F", k, k, k + 1) for k in range(3)] for _ in range(2)]
+    names = lambda ax: [t.get_text() for t in ax.get_legend().get_texts()]  # noqa: E731
+    assert names(viz.gantt(window)) == ["forward", "backward"]  # training charts: as before
+    assert names(viz.gantt(window, legend_present_only=True)) == ["forward"]
+    plt.close("all")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -173,3 +174,9 @@ def test_measured_bytes_are_parameters_plus_saved_activations():
     assert got[2] == 2 * 4 * (64 * 4 + 4)
     four_copies = sb.measure_layer_bytes(layers, x, copies_of_parameters=4)[0]
     assert four_copies == 4 * 4 * (16 * 64 + 64) + 4 * 32 * 16
+
+
+def test_measured_costs_on_the_cpu_clock():
+    layers = [torch.nn.Linear(16, 16) for _ in range(3)]
+    costs = sb.measure_layer_costs(layers, torch.randn(8, 16), repeats=3, clock=time.thread_time)
+    assert len(costs) == 3 and all(c >= 0 for c in costs)

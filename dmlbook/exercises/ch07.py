@@ -2,11 +2,12 @@
 
 1. ``check_linear_partition``: write ``partition(costs, stages) -> counts``, the layers per stage
    (contiguous, at least one each) that make the slowest stage as fast as it can be: the
-   linear-partition dynamic program of :mod:`dmlbook.model_parallel.stage_balancing`.
+   linear-partition dynamic program of :mod:`dmlbook.model_parallel.stage_balancing`. One case,
+   60 layers on 8 stages, is too big for trying every cut: a call is stopped after
+   ``TIME_LIMIT_S`` with a hint that names the number of cuts.
 2. ``check_pipeline_throughput``: write ``throughput(layer_costs, counts, microbatches,
    microbatch_size) -> samples per second`` of a forward-only pipeline (serving) whose stage s
-   takes the summed cost of its layers per micro-batch: the first micro-batch crosses every stage,
-   each later one leaves one slowest-stage time after the previous.
+   takes the summed cost of its layers per micro-batch, fill included.
 3. ``check_completion_ticks``: write ``completion_ticks(request_sizes, microbatch_size, stages)``:
    requests queue in order, their samples are cut into micro-batches of ``microbatch_size``
    (the last may be short), micro-batch k is on stage s during tick k + s (one tick per stage),
@@ -21,7 +22,11 @@ Each checker switches off, while the learner's code runs, the library functions 
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 from dmlbook.exercises import ExerciseFailed, checker, expect_value_error, learner_code
@@ -47,7 +52,43 @@ def _partition_cases() -> list[tuple[list[float], int]]:
     ]
     for n in (6, 9, 12):
         cases.append(([round(rng.uniform(0, 10), 2) for _ in range(n)], rng.randint(2, 4)))
+    # a real model's size: trying every cut (C(59, 7), about 3.9e8 splits) cannot finish in time
+    cases.append(([round(rng.uniform(0, 10), 2) for _ in range(60)], 8))
     return cases
+
+
+TIME_LIMIT_S = 20.0  # per call; a DP needs well under a second for 60 layers on 8 stages
+
+
+class _TimeLimit:
+    """Stop the learner's call after ``seconds`` with ExerciseFailed(``message``): a SIGALRM in
+    the main thread (elsewhere, where signals cannot be set, the call runs to its end)."""
+
+    def __init__(self, seconds: float, message: str) -> None:
+        self.seconds, self.message = seconds, message
+        self.armed = threading.current_thread() is threading.main_thread() and hasattr(
+            signal, "setitimer"
+        )
+
+    def _expired(self, signum, frame):
+        raise ExerciseFailed(self.message)
+
+    def __enter__(self):
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            # An outer alarm (a test runner's time limit) is put back, less the time spent here.
+            self.outer, _ = signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            if self.outer:
+                left = self.outer - (time.monotonic() - self.started)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
+        return False
 
 
 def _greedy_average(costs: Sequence[float], stages: int) -> list[int]:
@@ -78,9 +119,23 @@ def check_linear_partition(fn: Callable[[list[float], int], list[int]]) -> str:
     than layers."""
     cases = _partition_cases()
     for costs, stages in cases:
-        call = f"your partition({costs}, {stages})"
-        with learner_code(call):
+        call = (
+            f"your partition({costs}, {stages})"
+            if len(costs) <= 12
+            else f"your partition(<{len(costs)} layer costs>, {stages})"
+        )
+        ways = math.comb(len(costs) - 1, stages - 1)
+        too_slow = (
+            f"{call} was still running after {TIME_LIMIT_S:g} s. There are C({len(costs) - 1}, "
+            f"{stages - 1}) = {ways:.2g} ways to cut {len(costs)} layers into {stages} stages: "
+            "trying them all is too slow. Build the answer from smaller problems (the best "
+            "bottleneck for the first j layers on s stages), each solved once"
+        )
+        started = time.perf_counter()
+        with _TimeLimit(TIME_LIMIT_S, too_slow), learner_code(call):
             counts = list(fn(list(costs), stages))
+        if time.perf_counter() - started > TIME_LIMIT_S:
+            raise ExerciseFailed(too_slow)
         if len(counts) != stages:
             raise ExerciseFailed(f"{call} returned {counts}: one count per stage, {stages} of them")
         if any(c < 1 for c in counts):
@@ -116,7 +171,10 @@ def check_linear_partition(fn: Callable[[list[float], int], list[int]]) -> str:
         lambda: fn([1.0, 2.0], 3),
         "3 stages cannot each get one of 2 layers",
     )
-    return f"optimal on all {len(cases)} cost vectors (ties, zeros, stages = 1 and = layers)"
+    return (
+        f"optimal on all {len(cases)} cost vectors (ties, zeros, stages = 1 and = layers, "
+        "60 layers on 8 stages)"
+    )
 
 
 # --------------------------------------------------------------------------- 2. throughput
@@ -132,46 +190,103 @@ def _throughput_cases() -> list[tuple[list[float], list[int], int, int]]:
     ]
 
 
+def _time_with(per_stage: Sequence[float], microbatches: int) -> float:
+    """The checker's own forward-only pipeline, simulated micro-batch by micro-batch: each
+    starts on a stage when the stage is free and the micro-batch has left the stage before."""
+    free = [0.0] * len(per_stage)
+    for _ in range(microbatches):
+        ready = 0.0
+        for s, cost in enumerate(per_stage):
+            ready = free[s] = max(free[s], ready) + cost
+    return free[-1]
+
+
+def _throughput_mistakes(
+    costs: Sequence[float], counts: Sequence[int], microbatches: int, size: int
+) -> dict[str, float | None]:
+    """What common slips return on one case, keyed by the cause a learner should look at."""
+    per_stage = stage_balancing.stage_costs(costs, counts)
+    stages, slowest, total = len(per_stage), max(per_stage), sum(per_stage)
+    samples = microbatches * size
+    want = samples / _time_with(per_stage, microbatches)
+    first_layers = list(costs[:stages])  # a layer's cost taken as its stage's
+    largest_layer = []  # a stage's largest layer taken as its cost
+    start = 0
+    for count in counts:
+        largest_layer.append(max(costs[start : start + count]))
+        start += count
+    return {
+        "no overlap: each micro-batch crosses every stage before the next one enters. In a "
+        "pipeline the next micro-batch enters stage 0 as soon as stage 0 is free": (
+            samples / (microbatches * total)
+        ),
+        "the steady state alone: it forgets the fill, the time micro-batch 0 takes to reach "
+        "the end of the pipeline before anything leaves it": size / slowest,
+        "as if every stage cost as much as the slowest one: true only for balanced stages. "
+        "Micro-batch 0 crosses the stages as they are": (
+            samples / ((microbatches + stages - 1) * slowest)
+        ),
+        "paced by the mean stage; the stage that holds the later micro-batches up longest sets "
+        "their pace": samples / (total + (microbatches - 1) * total / stages),
+        "one slowest-stage time too many: micro-batch 0's trip through the stages already "
+        "includes its own pass through the slowest one": (
+            samples / (total + microbatches * slowest)
+        ),
+        "the samples of one micro-batch; M micro-batches carry M x microbatch_size samples": (
+            want / microbatches
+        ),
+        "a time in seconds; return samples per second": 1 / want if want else None,
+        "micro-batches per second; each carries microbatch_size samples": want / size,
+        "stage s's cost taken as layer_costs[s]; stage s holds counts[s] consecutive layers, "
+        "and costs their sum": (
+            samples / _time_with(first_layers, microbatches) if len(costs) != stages else None
+        ),
+        "a stage's cost taken as its largest layer; a stage runs all its layers, one after "
+        "another: their sum": (
+            samples / _time_with(largest_layer, microbatches)
+            if largest_layer != per_stage
+            else None
+        ),
+    }
+
+
 @checker("pipeline_throughput", writes=("dmlbook.model_parallel.stage_balancing.pipeline_time",))
 def check_pipeline_throughput(fn: Callable[[list[float], list[int], int, int], float]) -> str:
-    """Check ``fn(layer_costs, counts, microbatches, microbatch_size)`` is the samples per second
-    of a forward-only pipeline of M micro-batches: M * size / (sum + (M - 1) * max) over stages."""
-    for costs, counts, microbatches, size in _throughput_cases():
+    """Check ``fn(layer_costs, counts, microbatches, microbatch_size)`` against the checker's
+    own simulation of the forward-only pipeline, micro-batch by micro-batch, on several cases;
+    a wrong value is matched against common slips to name the cause."""
+    cases = _throughput_cases()
+    answers = []
+    for costs, counts, microbatches, size in cases:
         call = f"your throughput({costs}, {counts}, microbatches={microbatches}, size={size})"
         with learner_code(call):
-            got = float(fn(list(costs), list(counts), microbatches, size))
+            answers.append(float(fn(list(costs), list(counts), microbatches, size)))
+
+    def close(got: float, value: float | None) -> bool:
+        return value is not None and abs(got - value) <= 1e-6 * abs(value)
+
+    for (costs, counts, microbatches, size), got in zip(cases, answers, strict=True):
         per_stage = stage_balancing.stage_costs(costs, counts)
-        samples = microbatches * size
-        want = samples / stage_balancing.pipeline_time(per_stage, microbatches)
-        if abs(got - want) <= 1e-6 * want:
+        want = microbatches * size / _time_with(per_stage, microbatches)
+        if close(got, want):
             continue
-        stages, slowest, total = len(per_stage), max(per_stage), sum(per_stage)
-        wrong = {
-            "the throughput with no overlap (every micro-batch crosses all stages before the "
-            "next starts); in a pipeline the next micro-batch follows one slowest stage later": (
-                samples / (microbatches * total)
-            ),
-            "the steady-state bound size / slowest stage, which forgets the fill: the first "
-            "micro-batch needs the sum of ALL stage costs": size / slowest,
-            "(M + P - 1) x the slowest stage, which holds only when the stages are balanced; the "
-            "first micro-batch needs the sum of the stage costs": (
-                samples / ((microbatches + stages - 1) * slowest)
-            ),
-            "built from the mean stage cost; the slowest stage sets the pace": (
-                samples / (total + (microbatches - 1) * total / stages)
-            ),
-            "a time in seconds; return samples per second": 1 / want if want else None,
-            "micro-batches per second; each carries microbatch_size samples": want / size,
-        }
+        # A slip explains the answer only if it gives the learner's value wherever it applies.
+        mistakes = [_throughput_mistakes(*case) for case in cases]
         hint = next(
             (
                 f": that is {why}"
-                for why, value in wrong.items()
-                if value and abs(got - value) <= 1e-6 * abs(value)
+                for why, value in mistakes[cases.index((costs, counts, microbatches, size))].items()
+                if close(got, value)
+                and all(
+                    m[why] is None or close(answer, m[why])
+                    for m, answer in zip(mistakes, answers, strict=True)
+                )
             ),
-            ". Stage s costs the sum of its counts[s] layers; the first micro-batch takes the sum "
-            "over stages, each later one the slowest stage's cost",
+            ". Draw this case on a time axis, one row per stage, one box per micro-batch "
+            "(a micro-batch enters a stage when the stage is free and the micro-batch has left "
+            "the stage before), and read off when the last micro-batch leaves the last stage",
         )
+        call = f"your throughput({costs}, {counts}, microbatches={microbatches}, size={size})"
         raise ExerciseFailed(f"{call} returned {got:.6g}, expected {want:.6g} samples/s{hint}")
     return f"throughput right for {len(_throughput_cases())} pipelines (balanced, uneven, M = 1)"
 
@@ -203,6 +318,15 @@ def _tick_mistakes(sizes: Sequence[int], size: int, stages: int) -> dict[str, li
         ],
         "one tick early: ticks count from 1, so micro-batch 0 leaves the last stage at tick P, "
         "not P - 1": [(e - 1) // size + stages - 1 for e in ends],
+        "you started every request in a micro-batch of its own (padding the one before). The "
+        "samples queue back to back: a micro-batch holds the end of one request and the start of "
+        "the next": [k - 1 + stages for k in itertools.accumulate(-(-n // size) for n in sizes)],
+        "you used the micro-batch of each request's FIRST sample; a request is answered only "
+        "when its last sample is out": [
+            (e - n) // size + stages for e, n in zip(ends, sizes, strict=True)
+        ],
+        "you placed every request at the front of the queue, as if it were alone. The requests "
+        "before it fill the micro-batches first": [(n - 1) // size + stages for n in sizes],
     }
 
 

@@ -28,7 +28,14 @@ from dmlbook.cpu_wait import cpu_wait_s
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel.layer_split import _stage_of
 
-__all__ = ["ServeResult", "completion_ticks", "serve_pipelined", "serve_reference"]
+__all__ = [
+    "ServeResult",
+    "completion_ticks",
+    "on_cpu_clock",
+    "serve_pipelined",
+    "serve_reference",
+    "serve_window",
+]
 
 
 @dataclass
@@ -41,6 +48,36 @@ class ServeResult:
     total_s: float  # wall time for the whole stream
     timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # one per window
     cpu_wait: float = 0.0  # seconds lost waiting for a CPU during the stream (see cpu_wait_s)
+    op_cpu: list[list[float]] = field(default_factory=list)  # per window: each op's CPU seconds
+
+
+def clock_ops_on_cpu(stage: pp.PipelineStage) -> list[float]:
+    """Make ``stage`` record, op by op, the CPU time its thread used (``time.thread_time``: it
+    stops while the thread sleeps in a receive or waits for a core, so under other load it is
+    still the op's own work). Returns the list the times go to, in the order of the timeline."""
+    cpu: list[float] = []
+    for name in ("forward", "backward"):
+        op = getattr(stage, name)
+
+        def timed(mb: int, op=op) -> None:
+            start = time.thread_time()
+            op(mb)
+            cpu.append(time.thread_time() - start)
+
+        setattr(stage, name, timed)  # run_schedule calls self.forward / self.backward
+    return cpu
+
+
+def on_cpu_clock(
+    timelines: Sequence[Sequence[pp.OpRecord]], op_cpu: Sequence[Sequence[float]]
+) -> list[list[pp.OpRecord]]:
+    """One step's (or window's) ops of every stage, each lasting its CPU time instead of its
+    wall-clock time, all started at 0: what :func:`pp.packed_timelines` replays as the step the
+    stages' own work alone would take, whatever else ran on the machine."""
+    return [
+        [pp.OpRecord(r.op, r.microbatch, 0.0, cpu) for r, cpu in zip(tl, cpus, strict=True)]
+        for tl, cpus in zip(timelines, op_cpu, strict=True)
+    ]
 
 
 def completion_ticks(request_sizes: Sequence[int], microbatch_size: int, stages: int) -> list[int]:
@@ -53,6 +90,15 @@ def completion_ticks(request_sizes: Sequence[int], microbatch_size: int, stages:
         end += size  # one past this request's last sample
         ticks.append((end - 1) // microbatch_size + stages)
     return ticks
+
+
+def serve_window(stage: pp.PipelineStage, requests: Sequence[torch.Tensor]) -> pp.StepResult:
+    """One window: ``requests`` enter the pipeline together, one micro-batch each. Stage 0 cuts
+    their concatenation back into micro-batches and runs forward on each, sending each output on
+    as soon as it is computed; stage s > 0 receives, computes, sends on; the last stage keeps the
+    outputs. So stage 1 works on request i while stage 0 already works on request i + 1."""
+    batch = torch.cat(list(requests)) if stage.is_first else None
+    return stage.infer(batch, microbatches=len(requests))  # forward only, no backward
 
 
 def _windows(n: int, in_flight: int) -> list[range]:
@@ -93,13 +139,15 @@ def serve_pipelined(
     model = model_fn().eval()
     module, _ = _stage_of(model, counts, rank, size)
     stage = pp.PipelineStage(module, rank, size, group=group)
-    outputs, latencies, timelines = [], [], []
+    cpu = clock_ops_on_cpu(stage)
+    outputs, latencies, timelines, op_cpu = [], [], [], []
     barrier(group)
     start, waited = time.perf_counter(), cpu_wait_s()
     for window in windows:
-        batch = torch.cat([requests[i] for i in window]) if stage.is_first else None
-        result = stage.infer(batch, microbatches=len(window))  # starts at a common t0
+        result = serve_window(stage, [requests[i] for i in window])  # starts at a common t0
         timelines.append(result.timeline)
+        op_cpu.append(list(cpu))
+        cpu.clear()
         if stage.is_last:
             outputs += list(result.outputs.cpu().chunk(len(window)))
             latencies += [r.end for r in result.timeline]  # since the window's t0
@@ -112,6 +160,7 @@ def serve_pipelined(
         total_s=total,
         timelines=timelines,
         cpu_wait=cpu_wait_s() - waited,
+        op_cpu=op_cpu,
     )
 
 

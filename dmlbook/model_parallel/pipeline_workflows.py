@@ -23,6 +23,10 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
   pipelined run's step time its ranks lost waiting for a CPU. This module gives their names too,
   so that a notebook imports one module for the chapter.
 - :func:`unbalanced_mlp` is a model whose layers differ a lot in cost, for balancing.
+- Timing on a shared machine: every op's CPU time is recorded beside its wall-clock record
+  (``op_cpu``); :func:`busy_cpu_s` is a stage's work per step on that clock, and
+  :func:`ideal_steps` replays each step's ops on it with instant messages
+  (``pp.packed_timelines``): the step the stages' own work alone would take.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +50,14 @@ from dmlbook.data_parallel.loop import train_reference as _reference_loop
 from dmlbook.datasets import char_blocks
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel.layer_split import _stage_of
-from dmlbook.model_parallel.pipeline_serving import ServeResult, serve_pipelined, serve_reference
+from dmlbook.model_parallel.pipeline_serving import (
+    ServeResult,
+    clock_ops_on_cpu,
+    on_cpu_clock,
+    serve_pipelined,
+    serve_reference,
+    serve_window,
+)
 from dmlbook.models import Batch, next_token_loss
 
 __all__ = [
@@ -61,8 +73,13 @@ __all__ = [
     "lm_loss",
     "merge_states",
     "next_token_loss",
+    "on_cpu_clock",
+    "busy_cpu_s",
+    "ideal_steps",
+    "span_s",
     "serve_pipelined",
     "serve_reference",
+    "serve_window",
     "step_times",
     "train_pipelined",
     "train_reference",
@@ -83,6 +100,7 @@ class TrainResult:
     timelines: list[list[pp.OpRecord]] = field(default_factory=list)  # each step's ops
     sent_bytes: int = 0  # activation and gradient bytes this stage sent in the last step
     cpu_waits: list[float] = field(default_factory=list)  # per step: seconds spent without a CPU
+    op_cpu: list[list[float]] = field(default_factory=list)  # per step: each op's CPU seconds
 
     @property
     def timeline(self) -> list[pp.OpRecord]:
@@ -111,6 +129,32 @@ def merge_states(results: Sequence[TrainResult]) -> dict[str, torch.Tensor]:
 def step_times(results: Sequence[TrainResult]) -> list[float]:
     """A pipeline step lasts until its slowest stage is done: the max over ranks, step by step."""
     return [max(times) for times in zip(*(r.step_times for r in results), strict=True)]
+
+
+def busy_cpu_s(result: TrainResult, skip: int = 1) -> float:
+    """How long one stage works per step: the median over steps (the first ``skip`` warm-up
+    steps left out) of its ops' summed CPU time. A thread's CPU clock stops while it sleeps in a
+    receive or waits for a core, so other work on the machine does not inflate it."""
+    return statistics.median(sum(cpu) for cpu in result.op_cpu[skip:])
+
+
+def ideal_steps(results: Sequence, skip: int = 1) -> list[list[list[pp.OpRecord]]]:
+    """Per step (or serving window) of a run, the first ``skip`` left out: every stage's ops,
+    each lasting its CPU time (``op_cpu``), replayed with instant messages
+    (:func:`pp.packed_timelines`). The step the stages' own work alone would take, however busy
+    the machine was; ``results`` is ``run``'s list of :class:`TrainResult` or ``ServeResult``."""
+    return [
+        pp.packed_timelines(
+            on_cpu_clock([r.timelines[k] for r in results], [r.op_cpu[k] for r in results])
+        )
+        for k in range(skip, len(results[0].timelines))
+    ]
+
+
+def span_s(timelines: Sequence[Sequence[pp.OpRecord]]) -> float:
+    """Seconds from the first op's start to the last op's end, over all stages."""
+    ops = [r for timeline in timelines for r in timeline]
+    return max(r.end for r in ops) - min(r.start for r in ops)
 
 
 def cpu_wait_fraction(results: Sequence[TrainResult], skip: int = 1) -> float:
@@ -191,6 +235,8 @@ class PipelinedTrainer:
         self.step_times: list[float] = []
         self.timelines: list[list[pp.OpRecord]] = []
         self.cpu_waits: list[float] = []
+        self.op_cpu: list[list[float]] = []
+        self._cpu = clock_ops_on_cpu(self.stage)  # each op's CPU time, beside its wall time
         self.sent_bytes = 0
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> pp.StepResult:
@@ -212,6 +258,8 @@ class PipelinedTrainer:
         self.cpu_waits.append(cpu_wait_s() - waited)
         self.losses.append(result.loss)
         self.timelines.append(result.timeline)
+        self.op_cpu.append(list(self._cpu))
+        self._cpu.clear()
         self.sent_bytes = result.sent_bytes
         return result
 
@@ -226,6 +274,7 @@ class PipelinedTrainer:
             timelines=list(self.timelines),
             sent_bytes=self.sent_bytes,
             cpu_waits=list(self.cpu_waits),
+            op_cpu=list(self.op_cpu),
         )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,12 +68,18 @@ def _forward_backward(layer: nn.Module, x: torch.Tensor, input_grad: bool = True
 
 
 def measure_layer_costs(
-    layers: Sequence[nn.Module], sample_input: torch.Tensor, repeats: int = 7, warmup: int = 2
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    repeats: int = 7,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[float]:
     """Seconds of forward + backward of each layer on ``sample_input`` (one micro-batch), the
     median of ``repeats`` timings. Each layer gets its real input (the previous layer's output),
     and the repeats go round the layers in turn, so a noisy moment hits every layer alike. The
-    first layer computes no input gradient: its input is the data, as on the first stage."""
+    first layer computes no input gradient: its input is the data, as on the first stage.
+    ``clock``: wall time by default; ``time.thread_time`` counts only the CPU time the thread
+    used (with one compute thread, the layer's own work even when other work holds the cores)."""
     if not layers:
         raise ValueError("need at least one layer to measure")
     if repeats < 1 or warmup < 0:
@@ -82,10 +88,10 @@ def measure_layer_costs(
     timings: list[list[float]] = [[] for _ in layers]
     for round_ in range(warmup + repeats):
         for index, (layer, x, samples) in enumerate(zip(layers, inputs, timings, strict=True)):
-            start = time.perf_counter()
+            start = clock()
             _forward_backward(layer, x, input_grad=index > 0)
             if round_ >= warmup:
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
     return [statistics.median(samples) for samples in timings]
 
 
@@ -155,11 +161,9 @@ def best_two_stage_split(costs: Sequence[float]) -> list[int]:
 
 def linear_partition(costs: Sequence[float], stages: int) -> list[int]:
     """Layers per stage (contiguous, each >= 1) that make the largest stage cost as small as it can
-    be: the linear-partition dynamic program, O(n^2 P) for n layers and P stages.
-
-    best[s][j] is the smallest bottleneck with which the first j layers fit on s stages. The last
-    of those stages holds layers i..j-1 for some i, so
-    ``best[s][j] = min over i of max(best[s-1][i], cost of layers i..j-1)``.
+    be: the linear-partition dynamic program, O(n^2 P) for n layers and P stages (chapter 7's
+    exercise 1 writes it). ``best[s][j]`` is the smallest bottleneck with which the first j layers
+    fit on s stages.
     """
     _check(costs, stages)
     n = len(costs)
@@ -230,9 +234,9 @@ def partition_by_bisection(costs: Sequence[float], stages: int) -> list[int]:
 
 def pipeline_time(per_stage: Sequence[float], microbatches: int) -> float:
     """Time for ``microbatches`` equal micro-batches to cross stages that take ``per_stage[s]``
-    each (no communication cost): the first one takes the sum, each later one the slowest
-    stage's time more, ``sum + (M - 1) * max``. For a GPipe training step pass forward +
-    backward costs (exact when backward / forward is the same ratio on every stage)."""
+    each, fill included, with no communication cost (chapter 7's exercise 2 derives it). For a
+    GPipe training step pass forward + backward costs (exact when backward / forward is the same
+    ratio on every stage)."""
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if not per_stage:

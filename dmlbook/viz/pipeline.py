@@ -77,10 +77,13 @@ def gantt(
     ax: plt.Axes | None = None,
     unit: str = "ms",
     labels: Sequence[str] | None = None,
+    legend_present_only: bool = False,
 ) -> plt.Axes:
     """Per-stage timeline of a pipelined step: one row per stage (stage 0 on top), one box per
     op from its start to its end, F and B in different colours, the micro-batch number inside.
     White space is idle time: the pipeline bubble, measured rather than drawn from a formula.
+    The legend names forward and backward always, or with ``legend_present_only`` (serving, which
+    has no backward) only the kinds of op drawn.
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     rows = len(timelines)
@@ -107,7 +110,8 @@ def gantt(
     )  # stage 0 on top, as in the book's figures; room for small labels
     ax.set_xlabel(f"time since the step started ({unit})")
     present = {r.op for timeline in timelines for r in timeline}
-    ops = [op for op in GANTT_COLOURS if op in present or op in ("F", "B")]
+    always = () if legend_present_only else ("F", "B")
+    ops = [op for op in GANTT_COLOURS if op in present or op in always]
     handles = [plt.Rectangle((0, 0), 1, 1, color=GANTT_COLOURS[op]) for op in ops]
     names = [_GANTT_NAMES[op] for op in ops]
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
