@@ -1,6 +1,8 @@
 """Chapter 8's exercise checkers: right answers pass, unanswered ones are "not attempted", and
 planted bugs are caught with a message that names the mistake."""
 
+import math
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -49,6 +51,17 @@ def freeze_never_unfreeze(layers, k):
         layer.requires_grad_(False)
 
 
+def freeze_by_eval(layers, k):
+    for layer in layers[:k]:
+        layer.eval()
+
+
+def freeze_by_clearing_grads(layers, k):
+    for layer in layers[:k]:
+        for p in layer.parameters():
+            p.grad = None
+
+
 def test_freeze_first_passes_the_right_answer():
     assert ch08.check_freeze_first(freeze_first).status == "passed"
 
@@ -61,6 +74,8 @@ def test_freeze_first_passes_the_right_answer():
         (freeze_one_too_many, "an off-by-one"),
         (freeze_weights_only, "weights and its biases"),
         (freeze_never_unfreeze, "stayed frozen from an earlier call"),
+        (freeze_by_eval, r"eval\(\) only switches dropout"),
+        (freeze_by_clearing_grads, "p.grad = None only clears a gradient"),
     ],
 )
 def test_freeze_first_catches_planted_bugs(answer, message):
@@ -92,8 +107,32 @@ def energy_rank_zero_based(weight, keep):
     return int((energy.cumsum(0) / energy.sum() < keep).sum())
 
 
+def energy_rank_from_the_norm(weight, keep):
+    # The total energy as ||W||_F^2 from the norm, in float64: rounds on most matrices.
+    energy = torch.linalg.svdvals(weight.double()) ** 2
+    return int((energy.cumsum(0) / weight.double().norm() ** 2 < keep).sum()) + 1
+
+
+def energy_rank_fraction_of_count(weight, keep):
+    return math.ceil(keep * min(weight.shape))
+
+
+def energy_rank_rounding_only(weight, keep):
+    energy = torch.linalg.svdvals(weight.double()) ** 2
+    kept = energy.cumsum(0) / energy.sum()
+    if weight.shape == (5, 5) and keep == 0.875:
+        kept = kept * (1 - 1e-15)  # as a total that rounded up would
+    return int((kept < keep).sum()) + 1
+
+
 def test_energy_rank_passes_the_right_answer():
     assert ch08.check_energy_rank(energy_rank).status == "passed"
+    assert ch08.check_energy_rank(energy_rank_from_the_norm).status == "passed"
+
+
+def test_energy_rank_names_rounding_at_the_boundary():
+    with pytest.raises(ExerciseFailed, match="rounding pushed your fraction below"):
+        ch08.check_energy_rank(energy_rank_rounding_only)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +141,7 @@ def test_energy_rank_passes_the_right_answer():
         (energy_rank_of_sigmas, "energy is their SQUARES"),
         (energy_rank_strict, r"\(>=, not >\)"),
         (energy_rank_zero_based, "off-by-one"),
+        (energy_rank_fraction_of_count, "fraction of the NUMBER of singular values"),
         (lambda w, keep: "two", "return the rank as an int"),
     ],
 )
@@ -157,6 +197,32 @@ def distill_detached_student(s, t, y, T, alpha):
     return distill(s.detach(), t, y, T, alpha) + 0 * s.sum()
 
 
+def distill_kl_div_sum(s, t, y, T, alpha):
+    soft = F.kl_div(F.log_softmax(s / T, -1), F.softmax(t / T, -1), reduction="sum")
+    return alpha * T**2 * soft + (1 - alpha) * F.cross_entropy(s, y)
+
+
+def distill_kl_div_of_probabilities(s, t, y, T, alpha):
+    soft = F.kl_div(F.softmax(s / T, -1), F.softmax(t / T, -1), reduction="batchmean")
+    return alpha * T**2 * soft + (1 - alpha) * F.cross_entropy(s, y)
+
+
+def distill_kl_div_log_target(s, t, y, T, alpha):
+    soft = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), reduction="batchmean")
+    return alpha * T**2 * soft + (1 - alpha) * F.cross_entropy(s, y)
+
+
+def distill_soft_hard_term(s, t, y, T, alpha):
+    soft = kl(F.log_softmax(t / T, -1), F.log_softmax(s / T, -1)).mean()
+    return alpha * T**2 * soft + (1 - alpha) * F.cross_entropy(s / T, y)
+
+
+def distill_soft_cross_entropy(s, t, y, T, alpha):
+    p = F.softmax(t / T, -1)
+    soft = -(p * F.log_softmax(s / T, -1)).sum(-1).mean()
+    return alpha * T**2 * soft + (1 - alpha) * F.cross_entropy(s, y)
+
+
 def test_distillation_loss_passes_right_answers():
     assert ch08.check_distillation_loss(distill).status == "passed"
     assert ch08.check_distillation_loss(distill_with_torch_kl_div).status == "passed"
@@ -171,6 +237,11 @@ def test_distillation_loss_passes_right_answers():
         (distill_hard_teacher, "divide the teacher's logits by T"),
         (distill_swapped_alpha, "alpha weights the SOFT term"),
         (distill_detached_student, "the gradient for the student logits is not"),
+        (distill_kl_div_sum, "reduction='sum' sums over the samples too"),
+        (distill_kl_div_of_probabilities, "LOG-probabilities as its first argument"),
+        (distill_kl_div_log_target, "log_target=True"),
+        (distill_soft_hard_term, "plain logits"),
+        (distill_soft_cross_entropy, "the teacher's entropy"),
         (lambda s, t, y, T, a: F.cross_entropy(s, y, reduction="none"), "one-element tensor"),
     ],
 )

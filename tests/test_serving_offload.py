@@ -181,3 +181,30 @@ def test_offloaded_adam_lowers_peak_cuda_memory(tmp_path):
     ours, optimizer = peak(lambda ps: offload.OffloadedAdam(ps, lr=1e-3, store="cpu"))
     assert optimizer.state_bytes_on("cuda") == 0
     assert ours < theirs
+
+
+def test_ideal_timeline_without_prefetch_is_the_sum_of_loads_and_computes():
+    spans = offload.ideal_timeline([1.0, 2.0, 1.0], [3.0, 1.0, 2.0], prefetch=False)
+    assert {s.lane for s in spans} == {"compute thread"}
+    assert [(s.kind, s.layer) for s in spans[:2]] == [("load", 0), ("compute", 0)]
+    assert spans[-1].end == 10.0
+
+
+def test_ideal_timeline_with_prefetch_overlaps_the_next_load():
+    # load 0 (1), compute 0 (3) while load 1 (2), compute 1 (1) while load 2 (1), compute 2 (2)
+    spans = offload.ideal_timeline([1.0, 2.0, 1.0], [3.0, 1.0, 2.0], prefetch=True)
+    computes = [(s.start, s.end) for s in spans if s.kind == "compute"]
+    assert computes == [(1.0, 4.0), (4.0, 5.0), (5.0, 7.0)]
+    loads = [(s.layer, s.start) for s in spans if s.kind == "load"]
+    assert loads == [(0, 0.0), (1, 1.0), (2, 4.0)]
+    # a load longer than the compute it hides behind delays the next compute
+    slow = offload.ideal_timeline([1.0, 5.0], [1.0, 1.0], prefetch=True)
+    assert slow[-1].end == 7.0
+
+
+def test_layer_seconds_times_every_layer(tmp_path):
+    layers = as_layers(mlp(seed=0, in_features=8, hidden=(16,), out_features=4))
+    streamed = offload.StreamedModel(layers, tmp_path / "w.bin", prefetch=False)
+    load_s, compute_s = streamed.layer_seconds(torch.randn(3, 8), rounds=2)
+    assert len(load_s) == len(compute_s) == len(layers)
+    assert all(t >= 0 for t in load_s + compute_s)

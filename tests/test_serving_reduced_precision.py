@@ -151,3 +151,11 @@ def test_int8_linear_on_a_gpu_matches_the_cpu():
     on_cpu = Int8Linear(layer)(x)
     on_gpu = Int8Linear(layer.cuda())(x.cuda())
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-5)
+
+
+def test_arithmetic_flags_reads_the_flags_line(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
+    flags = reduced_precision.arithmetic_flags(cpuinfo)
+    assert flags["avx512f"] and flags["avx512_vnni"] and not flags["avx512_bf16"]
+    assert not any(reduced_precision.arithmetic_flags(tmp_path / "absent").values())

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,17 @@ def _flags(layers: nn.ModuleList) -> list[list[bool]]:
 def _freeze_hint(layers: nn.ModuleList, flags: list[list[bool]], k: int, was: list) -> str:
     n = len(layers)
     frozen = [not any(f) for f in flags]
+    if k > 0 and not any(frozen[:k]):
+        if any(not layer.training for layer in layers[:k]):
+            return (
+                ": layer.eval() only switches dropout and batch norm to inference; the "
+                "parameters still get gradients and still train. Freezing is requires_grad=False"
+            )
+        if any(p.grad is None for layer in layers[:k] for p in layer.parameters()):
+            return (
+                ": p.grad = None only clears a gradient that the next backward fills again; "
+                "freezing is p.requires_grad_(False), which stops backward from computing it"
+            )
     if any(layer.__dict__.get("requires_grad") is False for layer in layers):
         return (
             ": setting `layer.requires_grad = False` only adds an attribute to the module; "
@@ -78,6 +90,9 @@ def check_freeze_first(fn: Callable[[nn.ModuleList, int], None]) -> str:
         n = len(layers)
         for k in (2, 0, n, 1, 3, n - 1):
             was = [not any(f) for f in _flags(layers)]
+            model.train()
+            for p in model.parameters():  # a gradient from an earlier step, as in training
+                p.grad = torch.zeros_like(p)
             with learner_code(f"your freeze_first on {name} with k={k}"):
                 fn(layers, k)
             flags = _flags(layers)
@@ -99,12 +114,14 @@ def check_freeze_first(fn: Callable[[nn.ModuleList, int], None]) -> str:
 
 def _energy_cases() -> list[tuple[str, torch.Tensor, float]]:
     g = torch.Generator().manual_seed(8)
-    boundary = torch.diag(torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0]))  # squared: 4, 1, 1, 1, 1 of 8
+    # Squared: 9, 4, 1, 1, 1, total 16, whose root is exact: every fraction below is exact in
+    # float32 and float64, however the total is computed (sum of squares or norm ** 2).
+    boundary = torch.diag(torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0]))
     decaying = torch.randn(20, 50, generator=g) * torch.logspace(0, -2, 50)
     return [
-        ("diag(2, 1, 1, 1, 1), keep=0.75 (exactly 6/8 at rank 3)", boundary, 0.75),
-        ("diag(2, 1, 1, 1, 1), keep=0.5 (exactly 4/8 at rank 1)", boundary, 0.5),
-        ("diag(2, 1, 1, 1, 1), keep=0.9", boundary, 0.9),
+        ("diag(3, 2, 1, 1, 1), keep=0.875 (exactly 14/16 at rank 3)", boundary, 0.875),
+        ("diag(3, 2, 1, 1, 1), keep=0.5625 (exactly 9/16 at rank 1)", boundary, 0.5625),
+        ("diag(3, 2, 1, 1, 1), keep=0.9", boundary, 0.9),
         ("a 20x50 matrix with decaying columns, keep=0.9", decaying, 0.9),
         ("a 20x50 matrix with decaying columns, keep=0.99", decaying, 0.99),
         ("a random 30x12 matrix, keep=0.5", torch.randn(30, 12, generator=g), 0.5),
@@ -129,6 +146,10 @@ def _energy_bugs(weight: torch.Tensor, keep: float) -> dict[str, int]:
         "a rank that keeps exactly `keep` of the energy is enough (>=, not >)": (
             _first_reaching(kept, keep, strict=True)
         ),
+        "you kept a fraction of the NUMBER of singular values; keep a fraction of their energy, "
+        "the sum of their squares, largest first": math.ceil(keep * len(s) - 1e-12),
+        "you took `keep` of the number of singular values, rounded down; keep a fraction of "
+        "their energy, the sum of their squares, largest first": max(1, int(keep * len(s))),
         "an off-by-one: ranks count from 1 (rank r keeps sigma_1..sigma_r)": right - 1,
         "an off-by-one: rank r keeps sigma_1..sigma_r, the first r values": right + 1,
     }
@@ -152,6 +173,14 @@ def check_energy_rank(fn: Callable[[torch.Tensor, float], int]) -> str:
             # Name the mistake whose answers match the learner's on every case, if one does.
             bugs = [_energy_bugs(w, k) for _, w, k in cases]
             hint = next((f": {bug}" for bug in bugs[0] if [b[bug] for b in bugs] == answers), "")
+            energy = torch.linalg.svdvals(weight.double()) ** 2
+            kept = (energy.cumsum(0) / energy.sum()).tolist()
+            if not hint and got == want + 1 and abs(kept[want - 1] - keep) < 1e-6:
+                hint = (
+                    f": rank {want} keeps {kept[want - 1]:.12g} of the energy, `keep` to within "
+                    "rounding, and is enough (>=, not >). If you compared with >=, rounding "
+                    "pushed your fraction below `keep`: allow a tolerance (>= keep - 1e-9)"
+                )
             raise ExerciseFailed(f"on {name}: expected rank {want}, got {got}{hint}")
     return "the smallest rank that keeps the energy, on 6 matrices (2 exactly on the boundary)"
 
@@ -185,6 +214,19 @@ def _distillation_bugs(s, t, y, temperature, alpha) -> list[tuple[str, torch.Ten
         ("alpha weights the SOFT term and 1 - alpha the hard cross-entropy",
          (1 - a) * T**2 * kl.mean() + a * F.cross_entropy(s, y)),
         ("average over the samples, do not sum", (a * T**2 * kl.mean() + hard) * len(s)),
+        ("F.kl_div's reduction='sum' sums over the samples too; use reduction='batchmean' "
+         "(sum over the classes, mean over the samples)", a * T**2 * kl.sum() + hard),
+        ("F.kl_div takes the student's LOG-probabilities as its first argument "
+         "(F.log_softmax(student / T)), not its probabilities",
+         a * T**2 * (lt.exp() * (lt - ls.exp())).sum(-1).mean() + hard),
+        ("the hard term is the cross-entropy of the student's plain logits (no temperature): "
+         "F.cross_entropy(student_logits, targets), not of student / T",
+         a * T**2 * kl.mean() + (1 - a) * F.cross_entropy(s / T, y)),
+        ("you computed the soft cross-entropy -sum p_teacher log p_student; the KL is that minus "
+         "the teacher's entropy (-sum p_teacher log p_teacher). Both give the student the same "
+         "gradient, but the loss value (the curve a run prints) differs by "
+         "alpha * T^2 * entropy: subtract it, or compute sum p_teacher (log p_teacher - "
+         "log p_student)", a * T**2 * -(lt.exp() * ls).sum(-1).mean() + hard),
     ]  # fmt: skip
 
 
@@ -214,6 +256,12 @@ def check_distillation_loss(fn: Callable[..., torch.Tensor]) -> str:
         ref_s = student.clone().requires_grad_()
         want = distillation_loss(ref_s, teacher, targets, temperature, alpha)
         want.backward()
+        if torch.isnan(loss.detach()).any():
+            raise ExerciseFailed(
+                f"with {setting}: your loss is nan. F.kl_div(input, target) wants the target as "
+                "probabilities (F.softmax(teacher / T)); with log-probabilities as the target, "
+                "pass log_target=True"
+            )
         if not torch.allclose(loss.detach().reshape(()), want.detach(), rtol=1e-4, atol=1e-6):
             hint = ""
             bugs = _distillation_bugs(student, teacher, targets, temperature, alpha)

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,10 +38,12 @@ from dmlbook.optim import adam_update_
 
 __all__ = [
     "OffloadedAdam",
+    "Span",
     "StreamedModel",
     "TensorFile",
     "adam_update_",
     "fsdp2_offload_train",
+    "ideal_timeline",
 ]
 
 ALIGN = 64  # every tensor starts at a multiple of 64 bytes: any dtype can view it in place
@@ -165,22 +170,83 @@ class StreamedModel:
         """Layer ``i``'s tensors, copied from the memory map onto the device."""
         return {n: self.file[f"{i}.{n}"].to(self.device, copy=True) for n in self.names[i]}
 
+    def compute(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s skeleton run with ``weights`` swapped in."""
+        return functional_call(self.skeletons[i], weights, (x,))
+
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = len(self.skeletons)
         self.peak_resident_bytes = 0
         with ThreadPoolExecutor(max_workers=1) as pool:
             upcoming = pool.submit(self.load, 0) if self.prefetch else None
-            for i, skeleton in enumerate(self.skeletons):
+            for i in range(n):
                 weights = upcoming.result() if self.prefetch else self.load(i)  # layer i, loaded
                 resident = self.layer_bytes[i]
                 if self.prefetch and i + 1 < n:
                     upcoming = pool.submit(self.load, i + 1)  # copies while layer i computes
                     resident += self.layer_bytes[i + 1]
                 self.peak_resident_bytes = max(self.peak_resident_bytes, resident)
-                x = functional_call(skeleton, weights, (x,))  # compute
+                x = self.compute(i, weights, x)  # layer i computes (layer i + 1 loads)
                 del weights  # layer i leaves the device
         return x
+
+    @torch.no_grad()
+    def layer_seconds(
+        self, x: torch.Tensor, rounds: int = 5, clock: Callable[[], float] = time.thread_time
+    ) -> tuple[list[float], list[float]]:
+        """Median seconds to load each layer and to compute it, each measured alone (no
+        prefetch), on ``clock``: the inputs of :func:`ideal_timeline`."""
+        loads: list[list[float]] = [[] for _ in self.skeletons]
+        computes: list[list[float]] = [[] for _ in self.skeletons]
+        for _ in range(rounds):
+            h = x
+            for i in range(len(self.skeletons)):
+                start = clock()
+                weights = self.load(i)
+                loaded = clock()
+                h = self.compute(i, weights, h)
+                loads[i].append(loaded - start)
+                computes[i].append(clock() - loaded)
+        return [statistics.median(t) for t in loads], [statistics.median(t) for t in computes]
+
+
+class Span(NamedTuple):
+    """One bar of a timeline: ``kind`` ("load" or "compute") of ``layer`` on ``lane``."""
+
+    lane: str
+    kind: str
+    layer: int
+    start: float
+    end: float
+
+
+def ideal_timeline(
+    load_s: Sequence[float], compute_s: Sequence[float], prefetch: bool
+) -> list[Span]:
+    """When each layer loads and computes if loading and computing never slow each other down.
+
+    Without prefetch one thread loads layer i, computes it, then loads layer i + 1. With
+    prefetch a second lane loads layer i + 1 as soon as layer i starts computing (two layers on
+    the device at most), and layer i + 1 computes when both its load and layer i are done.
+    """
+    spans, clock = [], 0.0
+    if not prefetch:
+        for i, (load, work) in enumerate(zip(load_s, compute_s, strict=True)):
+            spans.append(Span("compute thread", "load", i, clock, clock + load))
+            spans.append(Span("compute thread", "compute", i, clock + load, clock + load + work))
+            clock += load + work
+        return spans
+    loaded = load_s[0]
+    spans.append(Span("loader thread", "load", 0, 0.0, loaded))
+    for i, work in enumerate(compute_s):
+        start = max(clock, loaded)  # layer i needs its weights and the previous layer's output
+        if i + 1 < len(load_s):  # the next load starts with this compute
+            spans.append(Span("loader thread", "load", i + 1, start, start + load_s[i + 1]))
+            loaded = start + load_s[i + 1]
+        spans.append(Span("compute thread", "compute", i, start, start + work))
+        clock = start + work
+    return spans
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,13 +23,31 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from dmlbook.model_parallel.serving.quantization import int8_model, quantize_model
 
-__all__ = ["CastModel", "compare_precisions", "serialized_bytes", "torch_dynamic_int8", "variants"]
+__all__ = [
+    "ARITHMETIC_FLAGS",
+    "CastModel",
+    "arithmetic_flags",
+    "compare_precisions",
+    "serialized_bytes",
+    "torch_dynamic_int8",
+    "variants",
+]
+
+ARITHMETIC_FLAGS = {  # /proc/cpuinfo flag -> what it adds for low-precision matrix products
+    "avx512f": "512-bit fp32 FMA",
+    "avx512_bf16": "bf16 dot products into fp32 (2 multiply-adds per 32-bit lane)",
+    "avx512_vnni": "int8 dot products into int32 (4 multiply-adds per 32-bit lane)",
+    "avx512_fp16": "native fp16 arithmetic",
+    "amx_bf16": "AMX bf16 tile matrix multiply",
+    "amx_int8": "AMX int8 tile matrix multiply",
+}
 
 
 class CastModel(nn.Module):
@@ -81,10 +99,24 @@ def variants(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def arithmetic_flags(cpuinfo: str = "/proc/cpuinfo") -> dict[str, bool]:
+    """Which of :data:`ARITHMETIC_FLAGS` this CPU reports (all False where the file is absent)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return {flag: flag in flags for flag in ARITHMETIC_FLAGS}
+
+
 def _median_times(
     models: dict[str, Callable[[torch.Tensor], torch.Tensor]],
     x: torch.Tensor,
     rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad(), warnings.catch_warnings():
@@ -93,9 +125,9 @@ def _median_times(
             model(x)  # warm-up: first calls allocate and pack weights
         for _ in range(rounds):  # interleaved: a burst of load hits every variant alike
             for name, model in models.items():
-                start = time.perf_counter()
+                start = clock()
                 model(x)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -105,10 +137,13 @@ def compare_precisions(
     targets: torch.Tensor,
     latency_inputs: torch.Tensor | None = None,
     rounds: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict]:
     """One row per variant: serialized bytes, accuracy on ``(inputs, targets)``, the largest
     change of a logit against fp32, and the median latency of one forward on ``latency_inputs``
-    (default ``inputs``) with its speed-up over fp32. CPU: these run on this machine's kernels."""
+    (default ``inputs``) with its speed-up over fp32. CPU: these run on this machine's kernels.
+    ``clock`` is wall time by default; with one intra-op thread ``time.thread_time`` leaves out
+    the moments the thread waited for a core (chapter 8)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     models = variants(model)
@@ -116,7 +151,7 @@ def compare_precisions(
     with torch.no_grad():
         reference = models["fp32"](inputs)
         outputs = {name: m(inputs).float() for name, m in models.items()}
-    seconds = _median_times(models, latency_inputs, rounds)
+    seconds = _median_times(models, latency_inputs, rounds, clock)
     rows = []
     for name, m in models.items():
         rows.append(
