@@ -568,7 +568,9 @@ def test_a_call_whose_output_is_the_answer_is_found():
     answer.metadata["nbgrader"] = {"solution": True, "grade": False}
     check = new.new_code_cell("ch06.check_one_f_one_b_order(order)")
     check.metadata["nbgrader"] = {"grade": True, "solution": False}
-    imports = "from dmlbook.exercises import ch06\nfrom dmlbook.model_parallel import pipeline as pp"
+    imports = (
+        "from dmlbook.exercises import ch06\nfrom dmlbook.model_parallel import pipeline as pp"
+    )
     for body in ("pp.one_f_one_b_schedule(2, 4)", "%%ranks\nx = pp.one_f_one_b_schedule(2, 4)"):
         notebook = new.new_notebook(
             cells=[new.new_code_cell(imports), new.new_code_cell(body), answer, check]

@@ -100,7 +100,9 @@ def test_switched_off_reaches_every_binding_and_restores_them():
     original = pipeline.one_f_one_b_schedule
     namespace = {"schedule": original}
     exec("def answer():\n    return schedule(2, 4)", namespace)
-    with switched_off(["dmlbook.model_parallel.pipeline.one_f_one_b_schedule"], namespace["answer"]):
+    with switched_off(
+        ["dmlbook.model_parallel.pipeline.one_f_one_b_schedule"], namespace["answer"]
+    ):
         assert pipeline.one_f_one_b_schedule is not original
         with pytest.raises(SwitchedOff, match="one_f_one_b_schedule is switched off"):
             namespace["answer"]()

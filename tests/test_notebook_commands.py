@@ -1,5 +1,5 @@
-"""Every shell command a chapter prints runs as printed (issue 36: chapter 11 printed a multi-machine
-``torchrun`` line with an empty ``--rdzv-conf``, which fails in a shell).
+"""Every shell command a chapter prints runs as printed (issue 36: chapter 11 printed a
+multi-machine ``torchrun`` line with an empty ``--rdzv-conf``, which fails in a shell).
 
 A chapter shows commands in its prose, in backticks or in a code block: ``torchrun ...``,
 ``python -m dmlbook.bench ...`` and the like. Each is split as a shell splits it and read by the
@@ -39,7 +39,11 @@ def commands(source: str) -> list[str]:
     indented = re.findall(r"(?:^(?: {4}|\t).*\n?)+", _FENCE.sub("", source), re.MULTILINE)
     for block in blocks + indented:
         found += re.sub(r"\\\n\s*", " ", block).splitlines()
-    return [c.strip().lstrip("$ ").strip() for c in found if c.strip().lstrip("$ ").startswith(_PROGRAMS)]
+    return [
+        c.strip().lstrip("$ ").strip()
+        for c in found
+        if c.strip().lstrip("$ ").startswith(_PROGRAMS)
+    ]
 
 
 def _parser_for_module(module: str) -> argparse.ArgumentParser | None:

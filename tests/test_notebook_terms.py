@@ -3,7 +3,8 @@
 The glossary is chapter 1's last section: one ``* **term**: definition`` line per term (a term
 with two spellings reads ``**ZeRO / FSDP**``). In every chapter, the first use of a glossary term
 in the prose must either define it in place, in bold (``**all-reduce**``, its definition beside
-it), or be the text of a link to the glossary (``[all-reduce](01_splitting_input_data.ipynb#Glossary)``).
+it), or be the text of a link to the glossary
+(``[all-reduce](01_splitting_input_data.ipynb#Glossary)``).
 Headings, code (fenced or in backticks) and link targets are not prose. A learner reads each
 chapter as if it were the first (issue 36: "every term defined at first use, or linked").
 """
@@ -91,7 +92,7 @@ def undefined_terms(notebook) -> list[str]:
     found = []
     for term, (index, start, end, source) in sorted(firsts.items(), key=lambda kv: kv[1][:2]):
         if not _defined_or_linked(source, start, end):
-            line = source[: start].count("\n") + 1
+            line = source[:start].count("\n") + 1
             found.append(
                 f"cell {index}, line {line}: {source[start:end]!r} (glossary: {term}) is used "
                 "before it is defined in bold or linked to the glossary"

@@ -410,5 +410,3 @@ class NaiveDDP(DataParallelWrapper):
         self.stats.syncs += 1
         self.stats.collectives += len(sent)
         self.stats.bytes += sum(p.numel() * p.element_size() for p in sent)
-
-

@@ -212,4 +212,3 @@ def ps_timeline_legend(fig: plt.Figure) -> None:
         plt.Line2D([], [], color="k", lw=0.8, label="push; the number: its clock after it"),
     ]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-

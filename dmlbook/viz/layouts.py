@@ -375,8 +375,16 @@ def moe_round_trip(
 
     for rank in range(world):
         top = tops[rank]
-        ax.text(-0.3, top, f"rank {rank}\nexperts\n{rank * local}-{(rank + 1) * local - 1}",
-                ha="right", va="top", fontsize=8, weight="bold", color=colours(rank % 10))
+        ax.text(
+            -0.3,
+            top,
+            f"rank {rank}\nexperts\n{rank * local}-{(rank + 1) * local - 1}",
+            ha="right",
+            va="top",
+            fontsize=8,
+            weight="bold",
+            color=colours(rank % 10),
+        )
         for i, (es, ws) in enumerate(zip(experts[rank], weights[rank], strict=True)):
             pairs = ", ".join(f"e{e} ({w:.3f})" for e, w in zip(es, ws, strict=True))
             box(0, top + i, f"t{i} -> {pairs}", rank)
