@@ -105,6 +105,8 @@ def test_shard_not_attempted(capsys):
 
 def lr_schedule(step, base_lr, base_batch, global_batch, warmup_steps):
     peak = base_lr * global_batch / base_batch
+    if warmup_steps == 0:  # no warm-up: the peak from step 0
+        return peak
     return peak * min(1.0, (step + 1) / warmup_steps)
 
 

@@ -129,7 +129,8 @@ def test_the_right_answers_pass_with_the_library_switched_off():
         return [i % length for i in range(per_rank * world_size)][rank::world_size]
 
     def lr(step, base_lr, base_batch, global_batch, warmup_steps):
-        return base_lr * global_batch / base_batch * min(1.0, (step + 1) / warmup_steps)
+        ramp = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+        return base_lr * global_batch / base_batch * ramp
 
     assert ch01.check_shard(shard).status == "passed"
     assert ch01.check_lr_schedule(lr).status == "passed"
@@ -152,3 +153,144 @@ def test_train_config_asks_for_the_rule_that_exercise_2_writes():
     assert dp.train(models.mlp(seed=0), x, y, scaled_only).lr == [0.2] * 4
     with pytest.raises(ValueError, match="scale a number lr"):
         dp.train(models.mlp(seed=0), x, y, dp.TrainConfig(32, lr=rule, base_batch=16))
+
+
+def shard_shifted(length, rank, world_size):
+    per_rank = -(-length // world_size)
+    padded = [i % length for i in range((per_rank + 1) * world_size)]
+    return padded[rank + 1 :: world_size][:per_rank]  # planted: ranks counted from 1
+
+
+def test_shard_shifted_start_is_named():
+    with pytest.raises(ExerciseFailed, match="right stride from the wrong start"):
+        ch01.check_shard(shard_shifted)
+
+
+def _ramp(step, warmup_steps):
+    return 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+def lr_right(step, base_lr, base_batch, global_batch, warmup_steps):
+    return base_lr * global_batch / base_batch * _ramp(step, warmup_steps)
+
+
+def lr_divides_by_zero(step, base_lr, base_batch, global_batch, warmup_steps):
+    return base_lr * global_batch / base_batch * min(1.0, (step + 1) / warmup_steps)
+
+
+def lr_goyal(step, base_lr, base_batch, global_batch, warmup_steps):
+    peak = base_lr * global_batch / base_batch
+    return base_lr + (peak - base_lr) * _ramp(step, warmup_steps)  # planted: from base_lr
+
+
+def lr_inverted(step, base_lr, base_batch, global_batch, warmup_steps):
+    return base_lr * base_batch / global_batch * _ramp(step, warmup_steps)
+
+
+def lr_past_peak(step, base_lr, base_batch, global_batch, warmup_steps):
+    ramp = 1.0 if warmup_steps == 0 else (step + 1) / warmup_steps  # planted: no min(1, ...)
+    return base_lr * global_batch / base_batch * ramp
+
+
+def lr_integer_ratio(step, base_lr, base_batch, global_batch, warmup_steps):
+    return base_lr * (global_batch // base_batch) * _ramp(step, warmup_steps)
+
+
+def lr_zero_without_warmup(step, base_lr, base_batch, global_batch, warmup_steps):
+    return (
+        0.0
+        if warmup_steps == 0
+        else lr_right(step, base_lr, base_batch, global_batch, warmup_steps)
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (lr_divides_by_zero, "warmup_steps=0 means no warm-up"),
+        (lr_goyal, "Goyal et al.'s warm-up, which ramps from base_lr"),
+        (lr_inverted, "The batch ratio is upside down"),
+        (lr_past_peak, "Your ramp goes on past the peak"),
+        (lr_integer_ratio, "You used integer division"),
+        (lr_zero_without_warmup, "Right with warm-up, wrong without"),
+    ],
+)
+def test_more_lr_schedule_hints_name_the_cause(answer, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        ch01.check_lr_schedule(answer)
+
+
+def test_the_right_lr_passes_with_no_warmup_too():
+    result = ch01.check_lr_schedule(lr_right)
+    assert result.status == "passed" and "warmup_steps=0" in result.message
+
+
+def grads_right(model):
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def grads_of_parameters(model):
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p in model.parameters():  # planted: the parameters, not the gradients
+            dist.all_reduce(p)
+            p /= dist.get_world_size()
+
+
+def grads_of_a_copy(model):
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        g = p.grad.clone()  # planted: all-reduce works in place, on the copy
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+
+
+def grads_max(model):
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.MAX)  # planted
+        p.grad /= dist.get_world_size()
+
+
+def grads_reduce(model):
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        dist.reduce(p.grad, dst=0)  # planted: only rank 0 gets the sum
+        p.grad /= dist.get_world_size()
+
+
+def grads_rank0_only(model):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:  # planted: the other ranks never join the collective
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (grads_of_parameters, r"all-reduced the parameters \(p\), not their gradients"),
+        (grads_of_a_copy, "works in place on the very tensor you pass"),
+        (grads_max, "op=MAX, which does not add the tensors up"),
+        (grads_reduce, "dist.reduce, which leaves the sum on one rank"),
+        (grads_rank0_only, "Every rank must make the collective call|still running on ranks"),
+    ],
+)
+def test_average_gradients_hints_name_the_cause(answer, hint):
+    with pytest.raises(ExerciseFailed, match=hint):
+        ch01.check_average_gradients(answer, timeout=30)
+
+
+def test_the_right_average_passes():
+    assert ch01.check_average_gradients(grads_right).status == "passed"

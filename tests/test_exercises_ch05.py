@@ -1,9 +1,13 @@
 """Chapter 5's exercise checkers: right answers pass, unanswered ones are "not attempted", and
 planted bugs are caught with a message that says what is wrong: a layer count without biases,
-LayerNorms, the output projection or one feed-forward bias, or with 4 d_model for d_ff; training
+LayerNorms, the output projection, one or both feed-forward biases or the LayerNorms' shifts, or
+with 4 d_model for d_ff, or taken from torch's decoder layer or the library's estimator; training
 state without gradients, with one Adam moment, with mixed precision as all 16-bit, with bf16
 moments in fp32;
-a largest batch that is one too many, one too few, or ignores that nothing fits."""
+a largest batch that is one too many, one too few, strictly below the device (< for <=), or
+ignores that nothing fits."""
+
+from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -189,3 +193,61 @@ def test_unanswered_exercises_are_not_attempted():
     assert ch05.check_layer_parameters(unanswered).status == "not attempted"
     assert ch05.check_training_state_bytes(unanswered).status == "not attempted"
     assert ch05.check_largest_batch(unanswered).status == "not attempted"
+
+
+def count_from_a_decoder_layer(h, f):
+    """A back door: torch's decoder layer less its cross-attention and third LayerNorm."""
+    layer = nn.TransformerDecoderLayer(h, 1, dim_feedforward=f)
+    skip = {id(p) for m in (layer.multihead_attn, layer.norm3) for p in m.parameters()}
+    return sum(p.numel() for p in layer.parameters() if id(p) not in skip)
+
+
+def count_from_the_estimator(h, f):
+    """A back door: the estimator's parameters of two layers less those of one."""
+    spec = memory.TransformerSpec("probe", 1, 1, 1, h, 1, f, "encoder", dropout=0.0)
+    one = memory.estimate(spec, 1, 1).parameters
+    two = memory.estimate(replace(spec, n_layer=2), 1, 1).parameters
+    return (two - one) // 4
+
+
+def count_from_gemm_flops(h, f):
+    """A back door: a layer's GEMM FLOPs for one token are twice its weights."""
+    return sum(memory.layer_gemm_flops(h, f, batch=1, seq=1).values()) // 2 + 9 * h + f
+
+
+@pytest.mark.parametrize(
+    "answer, switched",
+    [
+        (count_from_a_decoder_layer, "TransformerDecoderLayer"),
+        (count_from_the_estimator, "estimate"),
+        (count_from_gemm_flops, "layer_gemm_flops"),
+    ],
+)
+def test_layer_parameters_refuses_other_library_counts(answer, switched):
+    with pytest.raises(ExerciseFailed, match=f"called the library instead.*{switched}"):
+        ch05.check_layer_parameters(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (lambda h, f: count(h, f) - 2 * h, "each LayerNorm also has a shift"),
+        (lambda h, f: count(h, f) - f - h, "feed-forward layers' biases"),
+    ],
+)
+def test_layer_parameters_names_the_cause_of_more_wrong_counts(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch05.check_layer_parameters(answer)
+
+
+def largest_strictly_below(spec, seq, device_bytes):
+    """Treats a total equal to the device's memory as not fitting."""
+    batch = 0
+    while memory.estimate(spec, batch + 1, seq).total < device_bytes:
+        batch += 1
+    return batch
+
+
+def test_largest_batch_catches_a_strict_comparison():
+    with pytest.raises(ExerciseFailed, match=r"<=, not <"):
+        ch05.check_largest_batch(largest_strictly_below)

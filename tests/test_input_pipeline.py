@@ -67,3 +67,26 @@ def test_throughputs_count_every_sample(folder):
     x, y = torch.randn(40, 1, 16, 16), torch.randint(0, 3, (40,))
     train = ip.training_throughput(mlp(seed=0, in_features=256), x, y, batch_size=8, steps=7)
     assert train.samples == 56 and train.seconds > 0
+
+
+def test_throughputs_count_this_process_cpu_time(folder):
+    root, _, _ = folder
+    loader = DataLoader(ip.PngFolder(root), batch_size=4)
+    fed = ip.fed_training_throughput(mlp(seed=0, in_features=256), loader)
+    assert fed.cpu_seconds > 0 and fed.cpu_ms_per_sample == 1e3 * fed.cpu_seconds / fed.samples
+
+
+def test_measure_pipeline_keeps_a_median_of_each_quantity(folder):
+    root, _, _ = folder
+    loader = DataLoader(ip.PngFolder(root), batch_size=4)
+    x, y = torch.randn(64, 1, 16, 16), torch.randint(0, 3, (64,))
+    candidates = {"mlp": (mlp(seed=0, in_features=256), 2, 2)}
+    m = ip.measure_pipeline(loader, loader, candidates, x, y, rounds=3, loading_batches=2)
+    assert m.loading.samples == 8
+    assert set(m.training) == set(m.in_turn) == set(m.overlapped) == {"mlp"}
+    assert m.in_turn["mlp"].samples == 8 and m.training["mlp"].samples == 2 * 64
+
+
+def test_jpeg_decode_is_timed_on_a_photo_sized_file():
+    seconds, nbytes = ip.jpeg_decode_seconds(repeats=3)
+    assert seconds > 0 and 50_000 < nbytes < 250_000

@@ -247,6 +247,12 @@ def test_each_pipeline_stage_measures_what_the_estimator_predicts():
             assert est.activations == got.activations and est.parameters == got.parameters
         whole = memory.estimate(spec, 8, 32)
         assert sum(g.parameters for g in measured) == whole.parameters
+        # the measured step's time line: one F and one B per stage, the vanilla order
+        ops = [[(r.op, r.microbatch) for r in g.timeline] for g in measured]
+        assert ops == [[("F", 0), ("B", 0)]] * stages
+        for left, right in zip(measured, measured[1:], strict=False):
+            assert right.timeline[0].start >= left.timeline[0].end  # forward: left first
+            assert left.timeline[1].start >= right.timeline[1].end  # backward: right first
 
 
 # ---- A small device: the memory cap ------------------------------------------------------------
@@ -346,3 +352,21 @@ def test_estimate_agrees_with_the_cuda_allocator(precision):
     est = memory.estimate(memory.spec_of(model), 16, 256, precision=precision, device="cuda")
     errors = _relative_errors(est, got)
     assert max(errors.values()) <= TOLERANCE, errors
+
+
+def test_memory_timeline_follows_forward_backward_and_the_optimizer_step():
+    model = char_gpt(37, seed=2, n_layer=2, n_embd=32, n_head=4, block_size=16)
+    records = memory.memory_timeline(model, 4, steps=2)
+    est = memory.estimate(memory.spec_of(model), 4)
+    loss = [r for r in records if r["event"] == "loss"]
+    done = [r for r in records if r["event"] == "backward done"]
+    assert len(loss) == len(done) == 2
+    # forward: saved activations grow up to (about) the estimate; backward frees them all
+    assert all(0.9 * est.activations <= r["activations"] <= est.activations for r in loss)
+    assert all(r["activations"] == 0 and r["gradients"] == r["parameters"] for r in done)
+    # Adam: no state until the first optimizer step, then two moments; zero_grad frees gradients
+    first = next(i for i, r in enumerate(records) if r["optimizer_state"])
+    assert records[first]["event"] == "optimizer step" and records[first]["step"] == 0
+    moments = 2 * records[first]["parameters"]  # plus Adam's one-number step counters
+    assert moments <= records[first]["optimizer_state"] <= 1.01 * moments
+    assert all(r["gradients"] == 0 for r in records if r["event"] == "zero_grad")

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -93,14 +94,19 @@ def average_gradients_per_parameter(
 
 
 def average_parameters(model: nn.Module, group=None) -> None:
-    """Replace each parameter by its mean over the ranks (model averaging)."""
+    """Replace each parameter by its mean over the ranks (model averaging): like
+    :func:`average_gradients`, one flat buffer and one all-reduce, so that a round of model
+    averaging costs what a round of gradient averaging costs."""
     _, world = group_rank_size(group)
     if world == 1:
         return
     with torch.no_grad():
-        for p in model.parameters():
-            dist.all_reduce(p, op=dist.ReduceOp.SUM, group=group)  # communication
-            p /= world
+        params = list(model.parameters())
+        flat = torch.cat([p.reshape(-1) for p in params])  # (number of parameters,)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # communication
+        flat.div_(world)
+        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(piece.view_as(p))
 
 
 def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
@@ -124,10 +130,13 @@ class GradientAveraging:
     divide_by: int | None = None
     rounds: int = 0  # how many times the ranks communicated
     floats_sent: int = 0  # how many numbers each rank contributed to all-reduces
+    seconds: float = 0.0  # wall-clock time spent averaging (waiting for the other ranks too)
 
     def after_backward(self, model: nn.Module, step: int, group=None) -> None:
         if group_rank_size(group)[1] > 1:
+            start = time.perf_counter()
             average_gradients(model, group, algorithm=self.algorithm, divide_by=self.divide_by)
+            self.seconds += time.perf_counter() - start
             self.rounds += 1
             self.floats_sent += sum(p.numel() for p in model.parameters())
 
@@ -145,6 +154,7 @@ class ModelAveraging:
     every: int = 1
     rounds: int = 0
     floats_sent: int = 0
+    seconds: float = 0.0
 
     def __post_init__(self):
         if self.every < 1:
@@ -154,15 +164,19 @@ class ModelAveraging:
         pass
 
     def after_step(self, model: nn.Module, step: int, group=None) -> None:
+        # step counts from 0 and this step is done: steps + 1 steps taken so far
         if (step + 1) % self.every == 0:
             self._average(model, group)
 
     def finish(self, model: nn.Module, step: int, group=None) -> None:
-        if step % self.every != 0:  # local steps left since the last average: end in agreement
+        # step is now the number of steps taken: any since the last average? end in agreement
+        if step % self.every != 0:
             self._average(model, group)
 
     def _average(self, model: nn.Module, group) -> None:
         if group_rank_size(group)[1] > 1:
+            start = time.perf_counter()
             average_parameters(model, group)
+            self.seconds += time.perf_counter() - start
             self.rounds += 1
             self.floats_sent += sum(p.numel() for p in model.parameters())

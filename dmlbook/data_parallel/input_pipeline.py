@@ -13,6 +13,7 @@ The files are a real image-folder tree (``root/<label>/<index>.png``, the layout
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from dmlbook.cpu_wait import cpu_wait_s
+
 __all__ = [
     "export_png_folder",
     "PngFolder",
@@ -30,6 +33,9 @@ __all__ = [
     "loading_throughput",
     "training_throughput",
     "fed_training_throughput",
+    "PipelineMeasurement",
+    "measure_pipeline",
+    "jpeg_decode_seconds",
 ]
 
 
@@ -84,11 +90,19 @@ class PngFolder(Dataset):
 
 @dataclass
 class Throughput:
-    """Samples processed in some seconds; bandwidth counts the bytes of the tensors produced."""
+    """Samples processed in some seconds; bandwidth counts the bytes of the tensors produced.
+
+    ``cpu_seconds`` is the CPU time that *this* process spent (``time.process_time``), which a
+    loader's worker process does not add to, and which other work on the machine barely moves."""
 
     samples: int
     seconds: float
     bytes_per_sample: int
+    cpu_seconds: float = 0.0
+
+    @property
+    def cpu_ms_per_sample(self) -> float:
+        return 1e3 * self.cpu_seconds / self.samples
 
     @property
     def samples_per_s(self) -> float:
@@ -101,14 +115,15 @@ class Throughput:
 
 def loading_throughput(loader: DataLoader, max_batches: int | None = None) -> Throughput:
     """How fast ``loader`` delivers batches when nothing consumes them."""
-    samples, nbytes = 0, 0
-    start = time.perf_counter()
+    samples, bytes_per_sample = 0, 0
+    start, cpu = time.perf_counter(), time.process_time()
     for b, (x, _) in enumerate(loader):
         samples += len(x)
-        nbytes = x[0].numel() * x.element_size()
+        bytes_per_sample = x[0].numel() * x.element_size()
         if max_batches is not None and b + 1 >= max_batches:
             break
-    return Throughput(samples, time.perf_counter() - start, nbytes)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return Throughput(samples, seconds, bytes_per_sample, cpu)
 
 
 def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> None:
@@ -126,11 +141,11 @@ def training_throughput(
     batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
     batches = [b for b in batches if len(b[0]) == batch_size]
     _sgd_step(model, opt, *batches[0])  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for s in range(steps):
         _sgd_step(model, opt, *batches[s % len(batches)])
-    seconds = time.perf_counter() - start
-    return Throughput(steps * batch_size, seconds, x[0].numel() * x.element_size())
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return Throughput(steps * batch_size, seconds, x[0].numel() * x.element_size(), cpu)
 
 
 def fed_training_throughput(
@@ -138,12 +153,109 @@ def fed_training_throughput(
 ) -> Throughput:
     """How fast ``model`` trains when every batch comes through ``loader``: the real pipeline."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    samples, nbytes = 0, 0
-    start = time.perf_counter()
-    for b, (x, y) in enumerate(loader):
-        _sgd_step(model, opt, x, y)
+    samples = 0
+    start, cpu = time.perf_counter(), time.process_time()  # wall clock; this process's CPU
+    for b, (x, y) in enumerate(loader):  # the loader reads, decodes, augments (or its worker)
+        _sgd_step(model, opt, x, y)  # forward, backward, update
         samples += len(x)
-        nbytes = x[0].numel() * x.element_size()
         if max_batches is not None and b + 1 >= max_batches:
             break
-    return Throughput(samples, time.perf_counter() - start, nbytes)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    bytes_per_sample = x[0].numel() * x.element_size()
+    return Throughput(samples, seconds, bytes_per_sample, cpu)
+
+
+@dataclass
+class PipelineMeasurement:
+    """:func:`measure_pipeline`'s result: each a median :class:`Throughput` of the rounds.
+
+    ``loading``: the loader alone; per model name, ``training`` (batches in memory), ``in_turn``
+    (fed by the loader in this process) and ``overlapped`` (fed by the loader's worker).
+    ``cpu_ms``: the median over the rounds of each one's CPU ms per sample, keyed like
+    ``("in_turn", name)`` (and ``("loading", None)``)."""
+
+    loading: Throughput
+    training: dict[str, Throughput]
+    in_turn: dict[str, Throughput]
+    overlapped: dict[str, Throughput]
+    cpu_ms: dict[tuple[str, str | None], float]
+    cpu_wait_share: float = 0.0  # of the measuring time, this process waited for a free CPU
+
+
+def measure_pipeline(
+    in_process: DataLoader,
+    in_worker: DataLoader,
+    candidates: dict[str, tuple[nn.Module, int, int]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rounds: int = 3,
+    loading_batches: int = 20,
+) -> PipelineMeasurement:
+    """Measure loading alone and each model of ``candidates`` (``name: (model, steps of training
+    alone on x, y, batches fed)``) trained alone, fed in turn and fed by a worker.
+
+    ``rounds`` rounds, each measuring everything once, so that a slow moment on a shared machine
+    hits one round of every quantity rather than all repeats of one; the median round of each
+    quantity (by samples per second) is kept. ``cpu_wait_share`` says how busy the machine was:
+    the share of the time this process was ready to run but found no free CPU."""
+    loading_throughput(in_process, max_batches=3)  # warm the file cache and the decoder
+    loading_throughput(in_worker, max_batches=3)  # start the worker process
+    waited, began = cpu_wait_s(), time.perf_counter()
+    measured: list[dict] = []
+    for _ in range(rounds):
+        r = {"loading": loading_throughput(in_process, max_batches=loading_batches)}
+        for name, (model, steps, batches) in candidates.items():
+            r[name] = (
+                training_throughput(model, x, y, steps=steps),
+                fed_training_throughput(model, in_process, max_batches=batches),
+                fed_training_throughput(model, in_worker, max_batches=batches),
+            )
+        measured.append(r)
+
+    def median(pick) -> Throughput:
+        ordered = sorted((pick(r) for r in measured), key=lambda t: t.samples_per_s)
+        return ordered[len(ordered) // 2]
+
+    def per_model(i: int) -> dict[str, Throughput]:
+        return {n: median(lambda r, n=n: r[n][i]) for n in candidates}
+
+    def median_cpu(pick) -> float:
+        ordered = sorted(pick(r).cpu_ms_per_sample for r in measured)
+        return ordered[len(ordered) // 2]
+
+    cpu_ms = {("loading", None): median_cpu(lambda r: r["loading"])}
+    for i, kind in enumerate(("training", "in_turn", "overlapped")):
+        for n in candidates:
+            cpu_ms[kind, n] = median_cpu(lambda r, n=n, i=i: r[n][i])
+    cpu_wait_share = (cpu_wait_s() - waited) / (time.perf_counter() - began)
+    return PipelineMeasurement(
+        median(lambda r: r["loading"]),
+        per_model(0),
+        per_model(1),
+        per_model(2),
+        cpu_ms,
+        cpu_wait_share,
+    )
+
+
+def jpeg_decode_seconds(
+    width: int = 500, height: int = 375, quality: int = 90, repeats: int = 20, seed: int = 0
+) -> tuple[float, int]:
+    """Seconds to open and decode one colour JPEG of ``width`` x ``height`` (the median of
+    ``repeats``; the defaults are a typical ImageNet photo), and the file's bytes: what one
+    ImageNet image costs a loader before any augmentation. The image is smoothed noise, so that
+    it compresses to about the ~110 KB of an ImageNet photo."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, size=(height // 3, width // 3, 3), dtype=np.uint8)
+    image = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+    noisy = np.asarray(image, dtype=np.int16) + rng.integers(-8, 9, size=(height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=quality)
+    times = []
+    for _ in range(repeats):
+        buffer.seek(0)
+        start = time.perf_counter()
+        with Image.open(buffer) as img:
+            img.convert("RGB").load()  # read + decode
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], buffer.getbuffer().nbytes

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel.averaging import GradientAveraging, ModelAveraging, broadcast_parameters
-from dmlbook.data_parallel.ddp import _DataParallel
+from dmlbook.data_parallel.ddp import DataParallelWrapper
 from dmlbook.datasets import shard_indices
 from dmlbook.models import Batch, accuracy, batch_loss, count_correct
 
@@ -63,6 +63,7 @@ __all__ = [
     "train",
     "train_loop",
     "train_reference",
+    "train_step",
     "warmup",
 ]
 
@@ -205,7 +206,7 @@ def train_loop(
     callback's hook included) calls every callback's ``on_fault`` and then raises on.
     """
     rank, world = group_rank_size(group)
-    if isinstance(model, _DataParallel | TorchDDP):
+    if isinstance(model, DataParallelWrapper | TorchDDP):
         if sync is not None:
             name = type(model).__name__
             raise ValueError(f"a {name} averages gradients in backward: pass no sync")
@@ -217,7 +218,7 @@ def train_loop(
     for batch in batches:
         state.batch = batch
         try:
-            _step(state, x, y, sync, forward_backward)
+            train_step(state, x, y, sync, forward_backward)
             state.emit("on_step")
             if getattr(batch, "last_in_epoch", False):
                 state.emit("on_epoch")
@@ -239,8 +240,13 @@ def _tensors(entry: LocalBatch | Batch, x, y) -> Batch:
     return Batch(inputs, targets)
 
 
-def _step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
-    """One step: load, compute, communicate, update."""
+def train_step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
+    """One step of data-parallel SGD on this rank: load, compute, communicate, update.
+
+    In chapter 1's :func:`train`, ``forward_backward`` is ``loss = cross_entropy(model(inputs),
+    targets); loss.backward()``, and ``sync`` is :class:`GradientAveraging`, whose
+    ``after_backward`` calls ``average_gradients(model)``; ``state.emit`` calls the callbacks
+    (chapter 1's sets the step's learning rate and records the loss)."""
     model = state.model
     state.emit("on_step_start")
     batch = _tensors(state.batch, x, y)  # data loading: this rank's rows
@@ -257,6 +263,8 @@ def _step(state: LoopState, x, y, sync, forward_backward: Callable) -> None:
     state.step += 1
     state.loss = None if loss is None else loss.detach()
     state.losses.append(math.nan if loss is None else loss.item())
+
+
 
 
 def train_reference(
@@ -426,7 +434,7 @@ def train(
     batches = strided_batches(
         len(x), global_batch, rank=rank, world_size=world, epochs=epochs, seed=config.seed
     )
-    if not isinstance(model, _DataParallel | TorchDDP):
+    if not isinstance(model, DataParallelWrapper | TorchDDP):
         broadcast_parameters(model, group=group)  # every rank starts from rank 0's model
     score = accuracy if isinstance(sync, ModelAveraging) else partial(sharded_accuracy, group=group)
     if (config.base_batch is not None or config.warmup_steps) and callable(lr):

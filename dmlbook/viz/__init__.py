@@ -5,6 +5,7 @@ re-exported here. Each module names the chapters that use it:
 
 * ``charts``: bars, curves and spans (chapters 1-10 and 12);
 * ``collectives``: the parameter server and the collectives, step by step (chapter 2);
+* ``model_split``: a model cut into stages, and who waits (chapter 5);
 * ``pipeline``: recomputation's segments (chapter 4), pipeline timelines (chapters 6, 7 and 13);
 * ``sharding``: tensor-parallel splits (chapter 9) and a ZeRO step (chapter 9b);
 * ``zero``: a ZeRO unit's flat buffer (chapter 9b);
@@ -50,6 +51,7 @@ from dmlbook.viz.layouts import (
     who_holds_what,
     zero_stages,
 )
+from dmlbook.viz.model_split import model_split
 from dmlbook.viz.pipeline import (
     GANTT_COLOURS,
     checkpoint_segments,
@@ -82,6 +84,7 @@ __all__ = [
     "pairwise_masks",
     "chunk_grid",
     "message_schedule",
+    "model_split",
     "ps_layout",
     "ps_timeline",
     "ps_timeline_legend",

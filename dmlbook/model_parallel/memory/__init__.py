@@ -17,7 +17,8 @@ checked against our char-GPT on a CPU to within a few percent:
   :class:`dmlbook.model_parallel.recompute.SavedTensorMeter`, and the allocator's peak
   (``cpu_peak_bytes`` reads it from the profiler on a CPU,
   :func:`dmlbook.model_parallel.recompute.cuda_peak_bytes` on a GPU); ``measure_stage`` does it for
-  one rank's stage of a model split over ranks.
+  one rank's stage of a model split over ranks, and ``memory_timeline`` records what a step holds
+  moment by moment through forward, backward and the optimizer step.
 - ``memory_cap`` turns a rank into a small device: past its budget, an allocation raises
   ``torch.OutOfMemoryError``, and the notebook that launched the rank is never at risk.
 - ``korthikanti_bytes`` is the published per-layer formula (Korthikanti et al. 2022, "Reducing
@@ -28,7 +29,8 @@ checked against our char-GPT on a CPU to within a few percent:
 
 The parts, each a module of this package: ``spec`` (what a model is, bytes per number),
 ``estimate``, ``measure``, ``device_cap`` (the memory cap) and ``hardware`` (the GPU table);
-every name is importable from ``dmlbook.model_parallel.memory`` itself.
+every name is importable from ``dmlbook.model_parallel.memory`` itself. Chapter 5's picture of a
+model split into stages is :func:`dmlbook.viz.model_split`.
 """
 
 from dmlbook.model_parallel.memory.device_cap import (
@@ -58,6 +60,7 @@ from dmlbook.model_parallel.memory.measure import (
     measure,
     measure_stage,
     measure_step,
+    memory_timeline,
 )
 from dmlbook.model_parallel.memory.spec import (
     ATTENTIONS,
@@ -114,6 +117,7 @@ __all__ = [
     "measure_stage",
     "measure_step",
     "memory_cap",
+    "memory_timeline",
     "onednn_disabled",
     "spec_of",
     "state_bytes_per_parameter",

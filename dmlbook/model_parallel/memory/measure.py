@@ -45,6 +45,9 @@ class MemoryMeasurement:
     peak: int  # the allocator's peak during the step, above what it held before the step
     device: str
     layer_activations: dict[str, int] = field(default_factory=dict)  # embed, block i, head
+    # measure_stage only: this stage's forward and backward ops of the measured step
+    # (pipeline.OpRecord, seconds since the step's common start on every rank)
+    timeline: list = field(default_factory=list)
 
     @property
     def transient(self) -> int:
@@ -209,6 +212,64 @@ def measure(
     return result
 
 
+def memory_timeline(
+    model: CharGPT,
+    batch: int,
+    seq: int | None = None,
+    optimizer: str = "adam",
+    steps: int = 2,
+    seed: int = 0,
+) -> list[dict[str, int | str]]:
+    """What a training step holds, moment by moment, over ``steps`` steps of a copy of ``model``.
+
+    One record after each layer's forward, after each block's backward, after the optimizer step
+    and after ``zero_grad(set_to_none=True)``: the bytes of parameters, gradients, optimizer
+    state and saved activations (a :class:`SavedTensorMeter`) at that moment, with ``step`` and
+    ``event``. The first step creates the optimizer state; gradients live from backward to
+    ``zero_grad``; activations grow through forward and are freed through backward.
+    """
+    seq = model.config.block_size if seq is None else seq
+    _validate(batch, seq, spec_of(model))
+    model = copy.deepcopy(model).train()
+    params = list(model.parameters())
+    opt = make_optimizer(optimizer, params)
+    g = torch.Generator().manual_seed(seed)
+    idx, targets = (torch.randint(model.config.vocab_size, (batch, seq), generator=g) for _ in "xy")
+    records: list[dict[str, int | str]] = []
+    step = 0
+
+    def record(event: str) -> None:
+        state = [t for st in opt.state.values() for t in st.values()]
+        records.append({
+            "step": step, "event": event, "parameters": _storage_bytes(params),
+            "gradients": _storage_bytes(p.grad for p in params),
+            "optimizer_state": _storage_bytes(state), "activations": meter.current,
+        })  # fmt: skip
+
+    mark = lambda event: lambda *_: record(event)  # noqa: E731
+    hooks = [model.wpe.register_forward_hook(mark("forward embed"))]
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_hook(mark(f"forward block {i}")))
+        hooks.append(block.register_full_backward_hook(mark(f"backward block {i}")))
+    hooks.append(model.lm_head.register_forward_hook(mark("forward head")))
+    with SavedTensorMeter([*params, *model.buffers(), idx, targets]) as meter:
+        try:
+            for step in range(steps):  # noqa: B007 (record reads it)
+                record("start")
+                _, loss = model(idx, targets)
+                record("loss")
+                loss.backward()
+                record("backward done")
+                opt.step()
+                record("optimizer step")
+                opt.zero_grad(set_to_none=True)
+                record("zero_grad")
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return records
+
+
 def measure_stage(
     model: CharGPT,
     batch: int,
@@ -223,7 +284,9 @@ def measure_stage(
     (``pipeline.split_model``, ``counts`` or ``pipeline.even_partition``); the layers of other
     stages go to the meta device, so that each rank holds only its own weights; the step is
     ``PipelineStage.train_step`` with the vanilla schedule (one micro-batch, no overlap),
-    measured by :func:`measure_step` on every rank alike.
+    measured by :func:`measure_step` on every rank alike. The result's ``timeline`` holds the
+    measured step's forward and backward ops of this stage (``PipelineStage.forward`` and
+    ``.backward``), for a time line of who works and who waits.
     """
     rank, stages = dist.get_rank(), dist.get_world_size()
     seq = model.config.block_size if seq is None else seq
@@ -241,16 +304,20 @@ def measure_stage(
         torch.randint(vocab, (batch, seq), generator=g).to(stage.device) for _ in range(2)
     )
     last = rank == stages - 1
+    timeline: list = []
 
     def forward_backward() -> None:
-        stage.train_step(
+        result = stage.train_step(
             idx if rank == 0 else None, targets if last else None,
             pipeline.next_token_loss if last else None, microbatches=1, schedule="vanilla",
         )  # fmt: skip
+        timeline[:] = result.timeline  # the last (measured) step's forward and backward
 
-    return measure_step(
+    measured = measure_step(
         stage.module, make_optimizer(optimizer, stage.module.parameters()), forward_backward
     )
+    measured.timeline = list(timeline)
+    return measured
 
 
 class _Autocast(nn.Module):
