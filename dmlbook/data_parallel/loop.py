@@ -265,8 +265,6 @@ def train_step(state: LoopState, x, y, sync, forward_backward: Callable) -> None
     state.losses.append(math.nan if loss is None else loss.item())
 
 
-
-
 def train_reference(
     make_model: Callable[[], nn.Module],
     batches: Iterable[Batch],
