@@ -305,3 +305,18 @@ DELEGATING_ANSWERS = {
 def test_bisection_is_switched_off_too():
     with pytest.raises(ExerciseFailed, match="called the library instead"):
         ch07.check_linear_partition(lambda costs, stages: sb.partition_by_bisection(costs, stages))
+
+
+def test_a_pipeline_paced_by_its_first_stage_is_rejected():
+    """The pace is the slowest stage's, wherever it sits (a learner's read: stage 0 paced every
+    case with M > 1 before the middle stage was the bottleneck in one)."""
+
+    def paced_by_stage_0(layer_costs, counts, microbatches, microbatch_size):
+        stages, start = [], 0
+        for n in counts:
+            stages.append(sum(layer_costs[start : start + n]))
+            start += n
+        return microbatches * microbatch_size / (sum(stages) + (microbatches - 1) * stages[0])
+
+    with pytest.raises(ExerciseFailed):
+        ch07.check_pipeline_throughput(paced_by_stage_0)

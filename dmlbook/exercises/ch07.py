@@ -52,7 +52,7 @@ def _partition_cases() -> list[tuple[list[float], int]]:
     ]
     for n in (6, 9, 12):
         cases.append(([round(rng.uniform(0, 10), 2) for _ in range(n)], rng.randint(2, 4)))
-    # a real model's size: trying every cut (C(59, 7), about 3.9e8 splits) cannot finish in time
+    # a real model's size: trying every cut (C(59, 7), about 3.4e8 splits) cannot finish in time
     cases.append(([round(rng.uniform(0, 10), 2) for _ in range(60)], 8))
     return cases
 
@@ -187,6 +187,7 @@ def _throughput_cases() -> list[tuple[list[float], list[int], int, int]]:
         ([0.002, 0.003, 0.001], [1, 1, 1], 1, 32),  # one micro-batch: no overlap at all
         ([0.002, 0.003, 0.001, 0.005], [2, 1, 1], 50, 4),
         ([0.01], [1], 4, 8),  # one stage
+        ([0.001, 0.003, 0.001], [1, 1, 1], 4, 8),  # the middle stage is the bottleneck
     ]
 
 
