@@ -99,7 +99,7 @@ def test_one_f_one_b_order_passes_the_right_answer():
             order_warmup_too_long,
             "holds 3 micro-batches' activations at once in your order, more than the 2 it needs",
         ),
-        (order_no_warmup, "runs 0 forwards before its first backward"),
+        (order_no_warmup, "runs 1 forward before its first backward \\(a warm-up of 0"),
         (
             order_without_min,
             "names micro-batch 2, but there are only 2 .* the warm-up runs out of micro-batches",

@@ -137,12 +137,15 @@ def _diagnose(got, want, stage: int, stages: int, microbatches: int) -> str:
             f"once in your order, more than the {min(stages - stage, microbatches)} it needs. "
             "Its first backward "
             f"waits for micro-batch 0 to cross the stages after it; your warm-up of "
-            f"{got_warmup} forwards is longer than that wait"
+            f"{got_warmup} forwards (before the forward that pairs with the first backward) is "
+            "longer than that wait"
         )
     if got_warmup < warmup:
         return (
-            f"your stage {stage} of {stages} runs {got_warmup} forwards before its first "
-            "backward, but that backward waits for micro-batch 0 to go through the "
+            f"your stage {stage} of {stages} runs {got_warmup + 1} forward"
+            f"{'s' if got_warmup else ''} before its first "
+            f"backward (a warm-up of {got_warmup}, counting the forward that pairs with that "
+            "backward as the first of the alternation), but that backward waits for micro-batch 0 to go through the "
             f"{_stages_after(stage, stages)} and its gradient to come back. With "
             "so short a warm-up the stage sits idle through that wait where it could have run "
             "forwards"
