@@ -120,9 +120,10 @@ def check_rank_batch(fn: Callable[[Sequence[int], int, int, int, int], list[int]
                     f"at position {start} on {world} ranks your parts have sizes {sizes}: they "
                     "may differ by one at most, or one rank does most of the work. At the end of "
                     "the epoch the global batch is short: share what is left evenly (strided, "
-                    "batch[rank::world_size], or blocks whose sizes differ by one at most: the first "
-                    "len(batch) % world_size ranks take one sample more) instead of local_batch "
-                    "each in turn, equal ceil-sized blocks, or the remainder to one rank"
+                    "batch[rank::world_size], or blocks whose sizes differ by one at most: the "
+                    "first len(batch) % world_size ranks take one sample more) instead of "
+                    "local_batch each in turn, equal ceil-sized blocks, or the remainder to one "
+                    "rank"
                 )
             seen += got
             start += len(batch)
