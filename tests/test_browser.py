@@ -218,15 +218,20 @@ def _check_ranks_cells(code) -> None:
         return found
 
     assert _text(cell("%ranks start 3")) == "3 ranks started (gloo)\n"
-    broadcast = cell("%%ranks", "collectives.broadcast(ours")
-    assert _text(broadcast) == "".join(f"[rank {r}] holds [20.0, 21.0]\n" for r in range(3))
+    gather = cell("%%ranks", "collectives.gather(mine")
+    assert _text(gather) == (
+        "[rank 0] holds [[0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]\n"
+        "[rank 1] holds nothing new\n[rank 2] holds nothing new\n"
+    )
     on_0 = _text(cell("%%ranks --on 0", "torch.stack(gathered)"), "execute_result")
     assert on_0.startswith("[tensor([[ 0.,  1.],") and on_0.count("tensor(") == 1
-    steps = _text(cell("%%ranks\nfor _ in range(world_size - 1)")).splitlines()
-    assert [line.split("]")[0] for line in steps] == ["[rank 0"] * 2 + ["[rank 1"] * 2 + [
-        "[rank 2"
-    ] * 2
-    assert steps[-1] == "[rank 2] after step 4: chunks hold ranks {0,1,2} {0,1,2} {0,1,2}"
+    # The ring's reduce-scatter run one step a cell, on the ranks that live across cells.
+    steps = _text(cell("%%ranks\nalgorithms.ring_reduce_scatter_step(chunks, step=1)"))
+    assert steps.splitlines() == [
+        "[rank 0] after step 1: chunks hold ranks {0,1,2} {0,2} {0}",
+        "[rank 1] after step 1: chunks hold ranks {1} {0,1,2} {0,1}",
+        "[rank 2] after step 1: chunks hold ranks {1,2} {2} {0,1,2}",
+    ]
     status = _text(cell("%ranks status")).splitlines()
     assert status[1].split() == ["rank", "pid", "alive", "busy", "memory"]
     assert status[-1] == "3 ranks stopped"
