@@ -92,18 +92,22 @@ def gantt(
     t0 = min(starts, default=0.0)
     span = max((r.end for timeline in timelines for r in timeline), default=t0) - t0
     for row, timeline in enumerate(timelines):
+        small_at = -float("inf")  # the last number put above a box in this row
         for r in timeline:
             left, width = (r.start - t0) * scale, (r.end - r.start) * scale
             colour = GANTT_COLOURS.get(r.op, "0.6")
             ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
             # -1: not a micro-batch's op (sync, step); a narrow box gets its number smaller,
-            # above the box; only a sliver too thin to point at gets none
+            # above the box, unless it would run into the last one; a sliver too thin to point
+            # at gets none
+            middle = (r.start - t0 + (r.end - r.start) / 2) * scale
             if r.microbatch >= 0 and r.end - r.start >= 0.012 * span:
-                ax.text(left + width / 2, row, str(r.microbatch), ha="center", va="center",
-                        fontsize=7)  # fmt: skip
-            elif r.microbatch >= 0 and r.end - r.start >= 0.002 * span:
-                ax.text(left + width / 2, row - 0.42, str(r.microbatch), ha="center",
-                        va="bottom", fontsize=5)  # fmt: skip
+                ax.text(middle, row, str(r.microbatch), ha="center", va="center", fontsize=7)
+            elif (r.microbatch >= 0 and r.end - r.start >= 0.002 * span
+                  and middle - small_at >= 0.03 * span * scale):  # fmt: skip
+                ax.text(middle, row - 0.42, str(r.microbatch), ha="center", va="bottom",
+                        fontsize=5)  # fmt: skip
+                small_at = middle
     ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
     ax.set_ylim(
         rows - 0.5, -0.62
