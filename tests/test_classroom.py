@@ -23,7 +23,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from dmlbook import classroom
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
-NOTEBOOKS = sorted(CHAPTERS.glob("*.ipynb"))
+NOTEBOOKS = sorted(p for p in CHAPTERS.glob("*.ipynb") if p.name[0].isdigit())  # not the glossary
 
 
 def test_solution_becomes_the_stub_at_its_indentation_and_hidden_tests_go():
@@ -65,8 +65,11 @@ def test_unbalanced_markers_are_refused(source, complaint):
 
 def test_student_copies_keep_everything_but_solutions_and_hidden_tests(tmp_path):
     written = classroom.write_student_copies(CHAPTERS, tmp_path)
-    assert [p.name for p in written] == [p.name for p in NOTEBOOKS]
-    for source_path, student_path in zip(NOTEBOOKS, written, strict=True):
+    # the glossary goes along, unchanged: the chapters' terms link to it
+    assert [p.name for p in written] == [p.name for p in NOTEBOOKS] + ["glossary.ipynb"]
+    glossary = nbformat.read(CHAPTERS / "glossary.ipynb", as_version=4)
+    assert nbformat.read(written[-1], as_version=4).cells == glossary.cells
+    for source_path, student_path in zip(NOTEBOOKS, written[:-1], strict=True):
         source = nbformat.read(source_path, as_version=4)
         student = nbformat.read(student_path, as_version=4)
         assert len(student.cells) == len(source.cells)

@@ -20,7 +20,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from dmlbook import classroom
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
-NOTEBOOKS = sorted(CHAPTERS.glob("*.ipynb"))
+NOTEBOOKS = sorted(p for p in CHAPTERS.glob("*.ipynb") if p.name[0].isdigit())  # not the glossary
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 

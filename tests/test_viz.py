@@ -214,3 +214,48 @@ def test_moe_round_trip_draws_each_row_at_each_stage():
     ]  # fmt: skip
     assert "counts sent to e0-e1: 1 1" in texts and "counts received from ranks 0-1: 1 2" in texts
     plt.close(ax.figure)
+
+
+def test_bench_figures_draw_a_bar_per_torch_comparison_and_a_curve_per_algorithm():
+    # records as `python -m dmlbook.bench all --json` writes them, one or two per bench
+    forked = "launch + all-reduce, 2 ranks, forked"
+    records = [
+        {"bench": "launch", "name": forked, "median": 0.08, "baseline_median": 2.4, "ratio": 1 / 3},
+        {"bench": "launch", "what": "launch tail", "world_size": 4, "median": 0.14},
+        {"bench": "data-parallel", "name": "DP step, flat, MLP 256x2, ws 2", "ratio": 0.9},
+        {"bench": "ddp", "implementation": "bucketed", "model": "deep_mlp", "ratio_vs_torch": 1.0},
+        {"bench": "ddp", "implementation": "torch", "model": "deep_mlp", "ratio_vs_torch": 1.0},
+        {"bench": "recompute", "model": "mlp", "implementation": "ours", "step_s": 0.2},
+        {"bench": "recompute", "model": "mlp", "implementation": "torch", "step_s": 0.25},
+        {"bench": "pipeline", "schedule": "GPipe", "microbatches": 4, "ratio_vs_torch": 1.05},
+        {"bench": "netlab", "link": "100mbit", "measured_Mbps": 96.0, "setting_Mbps": 100.0},
+    ]
+    for algorithm, ratio in (("ring", 1.2), ("shm", 0.5)):
+        for nbytes, gloo_s in ((1 << 16, 4e-4), (1 << 20, 9e-4), (1 << 24, 8e-3)):
+            records.append(
+                {
+                    "bench": "allreduce",
+                    "algorithm": algorithm,
+                    "world_size": 2,
+                    "bytes": nbytes,
+                    "median_s": ratio * gloo_s,
+                    "baseline_median_s": gloo_s,
+                    "ratio": ratio,
+                }
+            )
+    figures = viz.bench_figures(records)
+    assert set(figures) == {"ratios", "allreduce"}
+    ratios = figures["ratios"].axes[0]
+    assert [t.get_text() for t in ratios.get_yticklabels()] == [
+        "launch: launch, 2 ranks, forked",
+        "data-parallel: flat, MLP 256x2, ws 2",
+        "ddp: deep_mlp, bucketed",
+        "pipeline: GPipe, M=4",
+        "recompute: mlp, step",
+    ]
+    widths = [p.get_width() for p in ratios.patches]
+    assert widths == pytest.approx([1 / 3, 0.9, 1.0, 1.05, 0.8])
+    times, over_gloo = figures["allreduce"].axes
+    assert [line.get_label() for line in times.get_lines()] == ["gloo (torch)", "ring", "shm"]
+    assert list(over_gloo.get_lines()[1].get_ydata()) == pytest.approx([0.5, 0.5, 0.5])
+    assert viz.bench_figures([]) == {}

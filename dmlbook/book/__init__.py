@@ -55,5 +55,5 @@ def examples_dir() -> Path:
 
 
 def chapters() -> list[Path]:
-    """Every chapter notebook, in the book's order."""
+    """Every chapter notebook, in the book's order, and the glossary they link to (last)."""
     return sorted(chapters_dir().glob("*.ipynb"))
