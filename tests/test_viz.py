@@ -247,11 +247,11 @@ def test_bench_figures_draw_a_bar_per_torch_comparison_and_a_curve_per_algorithm
     assert set(figures) == {"ratios", "allreduce"}
     ratios = figures["ratios"].axes[0]
     assert [t.get_text() for t in ratios.get_yticklabels()] == [
-        "launch: launch, 2 ranks, forked",
+        "launch: 2 ranks, forked",
         "data-parallel: flat, MLP 256x2, ws 2",
         "ddp: deep_mlp, bucketed",
         "pipeline: GPipe, M=4",
-        "recompute: mlp, step",
+        "recompute: mlp, checkpointed step",
     ]
     widths = [p.get_width() for p in ratios.patches]
     assert widths == pytest.approx([1 / 3, 0.9, 1.0, 1.05, 0.8])

@@ -3,7 +3,7 @@
 ``from dmlbook import viz`` then ``viz.bars(...)``: every public name of the topic modules is
 re-exported here. Each module names the chapters that use it:
 
-* ``charts``: bars, curves and spans (chapters 1-10 and 12);
+* ``charts``: bars, curves and spans (chapters 1-10 and 12), and the benchmarks' figures;
 * ``collectives``: the parameter server and the collectives, step by step (chapter 2);
 * ``model_split``: a model cut into stages, and who waits (chapter 5);
 * ``pipeline``: recomputation's segments (chapter 4), pipeline timelines (chapters 6, 7 and 13);
@@ -18,6 +18,7 @@ Each function returns the matplotlib ``Axes`` (or ``Figure``) it drew on.
 
 from dmlbook.viz.charts import (
     bars,
+    bench_figures,
     curves,
     spans,
     stacked_bars,
@@ -76,6 +77,7 @@ from dmlbook.viz.zero import (
 
 __all__ = [
     "bars",
+    "bench_figures",
     "curves",
     "spans",
     "stacked_bars",

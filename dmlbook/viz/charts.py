@@ -4,7 +4,8 @@ plots every chapter draws from its measurements.
 ``bars`` is used by chapters 1-10 and 12 (bandwidths, times, memory, ratios), ``stacked_bars`` by
 chapters 3, 9b, 10 and 12 (a total split into its parts), ``curves`` by chapters 1, 8, 9, 9b and 10
 (loss and accuracy against steps or time), ``spans`` by chapter 12 (profiler intervals, which
-shows communication against computation).
+shows communication against computation). ``bench_figures`` draws the records of
+``python -m dmlbook.bench all --json`` for the site's Benchmarks guide.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import matplotlib.pyplot as plt
 
 __all__ = [
     "bars",
+    "bench_figures",
     "curves",
     "spans",
     "stacked_bars",
@@ -121,3 +123,101 @@ def spans(
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_title(title, fontsize=9)
     return ax
+
+
+def _bench_ratios(records: Sequence[dict]) -> list[tuple[str, str, float]]:
+    """(bench, label, ours / torch's time) for every record of ``python -m dmlbook.bench all
+    --json`` that has a torch baseline, but the all-reduce's (``bench_figures`` draws those on
+    their own). Records are tagged with their ``bench``; each bench has its own fields."""
+    rows: list[tuple[str, str, float]] = []
+    recompute: dict[str, dict[str, float]] = {}
+    for r in records:
+        bench = r.get("bench", "")
+        if bench in ("launch", "data-parallel") and r.get("ratio") is not None and "name" in r:
+            label = r["name"].replace("launch + all-reduce, ", "").replace("DP step, ", "")
+            rows.append((bench, label, float(r["ratio"])))
+        elif bench == "ddp" and r.get("implementation") != "torch":
+            rows.append((bench, f"{r['model']}, {r['implementation']}", float(r["ratio_vs_torch"])))
+        elif bench == "pipeline" and r.get("ratio_vs_torch") is not None:
+            label = f"{r['schedule']}, M={r['microbatches']}"
+            rows.append((bench, label, float(r["ratio_vs_torch"])))
+        elif bench == "recompute":
+            recompute.setdefault(r["model"], {})[r["implementation"]] = float(r["step_s"])
+    for model, step_s in recompute.items():
+        if "ours" in step_s and "torch" in step_s:
+            ratio = step_s["ours"] / step_s["torch"]  # both checkpointed, at sqrt(n) segments
+            rows.append(("recompute", f"{model}, checkpointed step", ratio))
+    return rows
+
+
+def bench_figures(results: Sequence[dict]) -> dict[str, plt.Figure]:
+    """The figures of a ``python -m dmlbook.bench all --json FILE`` run, by key: ``results`` is
+    the file's list of records, each tagged with its ``bench``.
+
+    * ``"ratios"``: one horizontal bar per comparison with torch (launch, data-parallel step,
+      DDP, recomputation, pipeline schedules): our time over torch's on a log scale, 1 marked,
+      so that a bar left of the line is faster than torch and one right of it slower;
+    * ``"allreduce"``: every all-reduce algorithm's median time against the message size, beside
+      gloo's (torch's ``all_reduce``), and each one's ratio to gloo.
+
+    A key is left out when the run has no records for it. The site saves each figure as
+    ``bench-<key>.png`` beside the Benchmarks guide.
+    """
+    figures: dict[str, plt.Figure] = {}
+    rows = _bench_ratios(results)
+    if rows:
+        benches = list(dict.fromkeys(bench for bench, _, _ in rows))
+        colour = {bench: f"C{i}" for i, bench in enumerate(benches)}
+        fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+        ys = range(len(rows))
+        ratios = [ratio for _, _, ratio in rows]
+        drawn = ax.barh(ys, ratios, color=[colour[bench] for bench, _, _ in rows])
+        ax.bar_label(drawn, labels=[f"{r:.2f}x" for r in ratios], fontsize=7, padding=2)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="0.3", lw=1, ls="--")
+        ax.set_yticks(list(ys), [f"{bench}: {label}" for bench, label, _ in rows], fontsize=7)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        low, high = min(ratios + [1.0]), max(ratios + [1.0])
+        ax.set_xlim(low / 1.6, high * 2.2)  # room for the numbers right of each bar
+        ax.set_xlabel("our time / torch's (log scale; left of the dashed line: faster)")
+        ax.set_title("dmlbook against torch, each benchmark", fontsize=10)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colour[b]) for b in benches]
+        ax.legend(handles, benches, fontsize=7, loc="lower right")
+        fig.tight_layout()
+        figures["ratios"] = fig
+    allreduce = [r for r in results if r.get("bench") == "allreduce"]
+    if allreduce:
+        fig, (times, ratio) = plt.subplots(1, 2, figsize=(10, 3.8))
+        sizes = sorted({r["bytes"] for r in allreduce})
+        gloo = {r["bytes"]: r["baseline_median_s"] for r in allreduce}  # one per size
+        times.plot(sizes, [1e3 * gloo[s] for s in sizes], "k-o", lw=2, ms=4, label="gloo (torch)")
+        for i, algorithm in enumerate(dict.fromkeys(r["algorithm"] for r in allreduce)):
+            mine = sorted((r["bytes"], r) for r in allreduce if r["algorithm"] == algorithm)
+            xs = [nbytes for nbytes, _ in mine]
+            style = dict(marker="o", ms=3, color=f"C{i}", label=algorithm)
+            times.plot(xs, [1e3 * r["median_s"] for _, r in mine], **style)
+            ratio.plot(xs, [r["ratio"] for _, r in mine], **style)
+        for ax in (times, ratio):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [_bytes_label(s) for s in sizes])
+            ax.set_xlabel("message size")
+            ax.grid(alpha=0.3)
+        world = allreduce[0].get("world_size")
+        times.set_yscale("log")
+        times.set_ylabel("median time (ms, log scale)")
+        times.set_title(f"all-reduce, float32, world size {world}", fontsize=10)
+        ratio.set_yscale("log")
+        ratio.axhline(1.0, color="k", lw=1.5, ls="--")
+        ratio.set_ylabel("time / gloo's (log scale)")
+        ratio.set_title("each algorithm over gloo", fontsize=10)
+        times.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        figures["allreduce"] = fig
+    return figures
+
+
+def _bytes_label(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
