@@ -28,7 +28,7 @@ CHP := classroom/node_modules/.bin/configurable-http-proxy
 HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 
 .PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
-	student grade book gpu-check classroom-proxy
+	student grade book site gpu-check classroom-proxy
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
 # lock does not hold); the package itself goes in editable, without touching the pins.
@@ -118,6 +118,12 @@ grade: $(STAMP)
 book: $(STAMP)
 	env -u MPLBACKEND $(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
 		--output-dir build/book chapters/*.ipynb
+
+# The book as a static site in build/site/ (open build/site/index.html): the chapters with their
+# outputs and plots, the glossary, the guides in docs/, the API reference and an offline search.
+# Chapters come from the runs `make test` keeps (build/executed/); those missing run now.
+site: $(STAMP)
+	$(PY) -m dmlbook.book site build/site
 
 # A class on one server (classroom/, README "For instructors"): JupyterHub's proxy from npm, exactly
 # the versions in classroom/package-lock.json, into classroom/node_modules (not global). The hub

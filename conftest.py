@@ -38,6 +38,10 @@ import time
 
 import pytest
 
+# Each notebook nbval runs is kept with its outputs and plots for the site (tests/nbrecord.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+pytest_plugins = ["nbrecord"]
+
 # Spins, and every ~10 ms checks that the process that started it is still its parent: when
 # pytest dies the spinner is re-parented (to init or a subreaper) and stops.
 SPINNER = """

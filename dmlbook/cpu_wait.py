@@ -58,7 +58,7 @@ def scheduler_clock(threads=None) -> tuple[float, float]:
 
 def cpu_wait_s() -> float:
     """Seconds this process's threads have so far spent ready to run but waiting for a CPU (the
-    run-queue delay in Linux's /proc/<pid>/task/*/schedstat); 0.0 where that is not available.
+    run-queue delay in Linux's ``/proc/<pid>/task/*/schedstat``); 0.0 where that is not available.
     Other work on the machine shows up here: time a stage lost, not time it chose to wait."""
     return scheduler_clock()[1]
 

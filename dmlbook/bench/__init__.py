@@ -1,5 +1,5 @@
 """Benchmarks: each teaching implementation against torch's own, measured in the same run (the
-numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its chapter).
+numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its chapter)::
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn;
                                              # 200 launches at world size 4 (median, p95, > 1 s),

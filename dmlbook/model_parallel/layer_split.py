@@ -53,7 +53,7 @@ class _CharGPTHead(nn.Module):
 def layers_of(model: nn.Module) -> list[nn.Module]:
     """The model as a chain of layers to cut into stages; they share parameters with ``model``.
 
-    CharGPT: [embedding, *blocks, head]. MLP: its Linear(+ReLU) units (the first flattens its
+    CharGPT: ``[embedding, *blocks, head]``. MLP: its Linear(+ReLU) units (the first flattens its
     input, as ``MLP.forward`` does). CNN: the layers of ``.layers``. nn.Sequential: its children.
     """
     if isinstance(model, CharGPT):

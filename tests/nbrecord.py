@@ -1,0 +1,52 @@
+"""A pytest plugin that keeps each notebook nbval runs, with its outputs and plots, for the site.
+
+The suite runs every chapter under nbval once (conftest.py); the site shows those runs instead of
+running each chapter again (issue 37: "each chapter executed once"). This plugin, loaded by the
+root conftest.py and passed as ``-p nbrecord`` to the nbval runs a test starts in a process of its
+own (the concurrency test, the wheel test), does two things for a notebook's cells:
+
+* its kernel starts without ``MPLBACKEND``, so matplotlib draws inline as in a learner's
+  JupyterLab and each figure is an output (the suite sets ``Agg`` for everything else);
+* when its last cell is done, the notebook with every cell's outputs goes into
+  ``dmlbook.book.executed``'s cache, unless a cell failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dmlbook.book import executed
+
+
+def _is_cell(item) -> bool:
+    return type(item).__name__ == "IPyNbCell"  # nbval's item: one code cell
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """The kernel starts in the first cell's setup (nbval's IPyNbFile.setup): without
+    MPLBACKEND in the environment it inherits, ipykernel picks the inline backend."""
+    saved = os.environ.pop("MPLBACKEND", None) if _is_cell(item) else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if not _is_cell(item):
+        return
+    if item.test_outputs is not None:  # the cell ran (a skipped one keeps no outputs)
+        item.cell.outputs = executed.clean(item.test_outputs)
+    file = item.parent
+    file.nbrecord_done = getattr(file, "nbrecord_done", 0) + 1
+    if nextitem is not None and nextitem.parent is file:
+        return
+    notebook = file.nb  # the cells nbval read, now with their outputs
+    whole = file.nbrecord_done == sum(c.cell_type == "code" for c in notebook.cells)
+    if whole and not getattr(file, "timed_out", False):  # not a selection of cells, nor cut short
+        executed.store(item.path, notebook)
