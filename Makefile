@@ -28,7 +28,7 @@ CHP := classroom/node_modules/.bin/configurable-http-proxy
 HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 
 .PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
-	student grade book site gpu-check classroom-proxy
+	student grade site gpu-check classroom-proxy
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
 # lock does not hold); the package itself goes in editable, without touching the pins.
@@ -113,11 +113,6 @@ student: $(STAMP)
 
 grade: $(STAMP)
 	$(PY) -m dmlbook.classroom grade student/
-
-# Every chapter executed and written as HTML with its plots, for reading without Jupyter.
-book: $(STAMP)
-	env -u MPLBACKEND $(VENV)/bin/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=900 \
-		--output-dir build/book chapters/*.ipynb
 
 # The book as a static site in build/site/ (open build/site/index.html): the chapters with their
 # outputs and plots, the glossary, the guides in docs/, the API reference and an offline search.

@@ -3,9 +3,10 @@
 Order: under pytest-xdist (``make test`` runs three workers, a file or a notebook per worker at
 a time) the longest runs must start first, or one of them ends the run alone on one worker. So
 ``slow``-marked tests go first, the longest first (``slow(seconds=N)``: its time alone on a quiet
-machine), then the notebooks, then the other test files, each group in its collection order; the
-Makefile then turns off xdist's own reordering (``--no-loadscope-reorder``). In one process
-(``TEST_WORKERS=0``) the order changes nothing.
+machine), then the notebooks, then the other test files, each group in its collection order, and
+last the ``after_chapters`` tests (the site, built from the chapters' runs: it is handed out when
+everything else has been, and waits for the runs still going); the Makefile then turns off
+xdist's own reordering (``--no-loadscope-reorder``).
 
 ``--busy N``: run any session on a loaded machine, as a learner's laptop with a browser open or
 a shared classroom server is. N processes spin on the CPU from the session's start to its end;
@@ -117,6 +118,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(CELL_TIMEOUT_S))
 
     def group(item) -> tuple[int, float]:
+        if item.get_closest_marker("after_chapters") is not None:
+            return 3, 0  # the site: built from the runs of every chapter, so last of all
         slow = item.get_closest_marker("slow")
         if slow is not None:  # the longest first: slow(seconds=...) is its time alone, quiet
             return 0, -slow.kwargs.get("seconds", 60)

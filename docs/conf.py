@@ -1,4 +1,4 @@
-"""Sphinx's configuration of the book's site (``make site``; dmlbook/book/site.py builds it).
+"""Sphinx's configuration of the book's site (``make site``; dmlbook/book/static_site.py builds it).
 
 Sphinx with myst-nb (the notebooks and Markdown pages) and sphinx-book-theme: the stack behind
 Jupyter Book 1, which builds with no network (Jupyter Book 2 fetches its theme at build time).
@@ -25,13 +25,16 @@ nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json
 # chapter's link to a section, or to a glossary term (glossary.ipynb#all-reduce), works in
 # JupyterLab and on the site alike.
 myst_heading_anchors = 4
-myst_heading_slug_func = "dmlbook.book.site.heading_id"
+myst_heading_slug_func = "dmlbook.book.static_site.heading_id"
 myst_enable_extensions = ["colon_fence"]
 
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 suppress_warnings: list[str] = []
 
 html_theme = "sphinx_book_theme"
+html_static_path = ["_static"]
+# A ring of three ranks; without one the browser asks for /favicon.ico and logs its 404.
+html_favicon = "_static/favicon.svg"
 html_theme_options = {
     "repository_url": "",
     "use_download_button": True,
@@ -40,6 +43,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "home_page_in_toc": True,
 }
+# The light or dark colours as the reader's system has them (the theme logs an error without it).
+html_context = {"default_mode": "auto"}
 html_last_updated_fmt = None
 html_copy_source = True
 html_show_sourcelink = False

@@ -50,3 +50,15 @@ def pytest_runtest_teardown(item, nextitem):
     whole = file.nbrecord_done == sum(c.cell_type == "code" for c in notebook.cells)
     if whole and not getattr(file, "timed_out", False):  # not a selection of cells, nor cut short
         executed.store(item.path, notebook)
+
+
+def kept_runs(items) -> set[str]:
+    """The notebooks a session's items run and keep: those whose cells nbval runs, and those a
+    ``runs_chapters`` test runs itself (unless it says ``kept=False``, or is skipped)."""
+    names = {item.path.name for item in items if item.path.suffix == ".ipynb"}
+    for item in items:
+        mark = item.get_closest_marker("runs_chapters")
+        skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+        if mark is not None and mark.kwargs.get("kept", True) and not skipped:
+            names.update(mark.args)
+    return names

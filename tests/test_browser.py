@@ -12,7 +12,8 @@ that does not start from JupyterLab. The test
   each rank's output marked ``[rank r]`` in rank order, a ``--on 0`` cell's value, the ring's
   steps, ``%ranks status`` and ``%ranks stop``;
 * moves the ring all-reduce slider one step with the keyboard and checks that the plot changed;
-* saves a screenshot, whose path the end of the test session prints.
+* saves a screenshot, whose path the end of the test session prints;
+* keeps the run, outputs and plots, for the site (``dmlbook.book.executed``).
 
 It is marked ``browser``. Without Chromium or Playwright it is skipped, saying which is missing.
 Where it runs, it is also the session's nbval run of chapter 2 (marker ``runs_chapters``).
@@ -32,6 +33,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from dmlbook.book import executed
 from dmlbook.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,6 +203,9 @@ def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(both_cores, lab, tm
     assert errors == []
     assert all(c.execution_count is not None for c in code), "a code cell did not run"
     _check_ranks_cells(code)
+    for cell in code:  # the session's run of chapter 2, kept for the site (tests/nbrecord.py)
+        cell.outputs = executed.clean(cell.outputs)
+    executed.store(CHAPTER, saved)
     print(f"chapter 2 ran in JupyterLab in {ran_in:.0f} s; screenshot: {screenshot}")
 
 

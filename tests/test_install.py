@@ -25,6 +25,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from dmlbook.book import executed
+
 REPO = Path(__file__).resolve().parent.parent
 # The chapter a fresh environment runs: chapter 10 starts ranks and reads the shipped digits, as
 # most chapters do, in about 10 s here. It was chapter 2 (30 s, in each of the two tests below),
@@ -291,9 +293,15 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     assert "rank 0 local rank 0" in hello.stdout and "rank 1 local rank 1" in hello.stdout
 
     # 4. Chapter 10, run by nbval in the learner's folder with the new venv's Python.
+    #    It is kept for the site in this checkout's cache, as the suite's other runs are
+    #    (tests/nbrecord.py, copied out: nothing of the checkout on the learner's path).
     name = Path(CHAPTER).name
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    shutil.copy(REPO / "tests" / "nbrecord.py", plugins)
     ran = step("chapter", [python, "-m", "pytest", name, "--nbval-lax", "--nbval-current-env",
-                           "-q", "-p", "no:cacheprovider"],
-               cwd=learner, env=dict(env, MPLBACKEND="Agg"))  # fmt: skip
+                           "-q", "-p", "no:cacheprovider", "-p", "nbrecord"],
+               cwd=learner, env=dict(env, MPLBACKEND="Agg", PYTHONPATH=str(plugins),
+                                     DMLBOOK_EXECUTED=str(executed.cache_dir())))  # fmt: skip
     assert re.search(r"\d+ passed", ran.stdout) and " failed" not in ran.stdout
     print(", ".join(f"{k} {v:.1f} s" for k, v in times.items()))

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "site":
-        from dmlbook.book import site as site_builder
+        from dmlbook.book import static_site as site_builder
 
         try:
             built = site_builder.build(args.folder, run_missing=not args.cached_only)

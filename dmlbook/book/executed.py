@@ -2,10 +2,10 @@
 
 The notebooks are stored without outputs. The test suite runs every chapter anyway, so each run
 keeps what it produced (``tests/nbrecord.py`` for nbval's runs and the other places a chapter
-runs) in a cache, and the site (``dmlbook.book.site``) takes the chapters from there, running only
-those the cache lacks. An entry is keyed by the notebook's cells and by every file of the package
-(the chapters call it, and the scripts they start live in it) and the installed torch: an edit to
-either makes a new key, and an entry never goes stale.
+runs) in a cache, and the site (``dmlbook.book.static_site``) takes the chapters from there,
+running only those the cache lacks. An entry is keyed by the notebook's cells, by the package's code and data
+(the chapters call it; the scripts they start and the digits live in it) and by the installed
+torch: an edit to any of them makes a new key, and an entry never goes stale.
 
 A chapter runs with matplotlib's inline backend (``MPLBACKEND`` removed from the kernel's
 environment, as in a learner's JupyterLab), so that its figures are outputs; an Agg kernel draws
@@ -50,7 +50,10 @@ def _package_digest() -> str:
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in sorted(files):
             path = Path(folder, name)
-            if path.suffix in (".pyc", ".ipynb"):
+            if path.suffix not in (
+                ".py",
+                ".npz",
+            ):  # the code and the shipped data, as a wheel has them
                 continue
             digest.update(str(path.relative_to(package)).encode() + b"\0")
             digest.update(path.read_bytes())
@@ -102,6 +105,7 @@ def store(path: Path, notebook: nbformat.NotebookNode) -> Path | None:
     not kept (the site runs that chapter again, and shows its error if it fails there too)."""
     if failed(notebook):
         return None
+    notebook.metadata.pop("widgets", None)  # their state: a page would fetch a widget manager
     source = nbformat.read(path, as_version=4)
     target = entry(path, source)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +140,7 @@ def execute(path: Path, timeout: int = 900) -> nbformat.NotebookNode:
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(Path(path).parent)}},
+        store_widget_state=False,
     )
     client.execute(env=env)
     for cell in notebook.cells:

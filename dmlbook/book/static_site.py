@@ -145,8 +145,14 @@ def _bench_figures(stage: Path) -> None:
         matplotlib.pyplot.close(figure)
 
 
+# The guides in the sidebar, in the order a reader meets their questions (any other guide follows).
+GUIDES = ["instructors", "launching", "ranks-magic", "gpus", "torchrun", "elastic", "netlab",
+          "data", "benchmarks", "architecture", "testing"]  # fmt: skip
+
+
 def _navigation(stage: Path, chapters: list[str]) -> None:
-    guides = sorted(p.stem for p in (stage / "guides").glob("*.md"))
+    found = {p.stem for p in (stage / "guides").glob("*.md")}
+    guides = [g for g in GUIDES if g in found] + sorted(found - set(GUIDES))
     toc = [
         "",
         "```{toctree}",
@@ -158,10 +164,16 @@ def _navigation(stage: Path, chapters: list[str]) -> None:
         "",
         "```{toctree}",
         ":hidden:",
+        ":caption: Guides",
+        "",
+        *(f"guides/{g}" for g in guides),
+        "```",
+        "",
+        "```{toctree}",
+        ":hidden:",
         ":caption: Reference",
         "",
         "chapters/glossary",
-        *(f"guides/{g}" for g in guides),
         "api/index",
         "performance-log",
         "```",
