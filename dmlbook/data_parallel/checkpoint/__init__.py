@@ -6,9 +6,10 @@ Chapter 3 ("checkpointing and fault tolerance") teaches three ideas with this mo
    directory, flushes Python's buffer and calls ``fsync`` to move the kernel's cache to the
    disk, renames the file over the old one with ``os.replace`` (atomic within one filesystem),
    then calls ``fsync`` on the directory so that the rename itself is on disk. Killed at any
-   moment, it leaves the previous checkpoint or the new one at the final path, never half of one. A killed save's temporary
-   file names its writer (pid, start time, host), and the next save removes those whose writer
-   is dead (:func:`remove_killed_saves`), never a live concurrent save's.
+   moment, it leaves the previous checkpoint or the new one at the final path, never half of
+   one. A killed save's temporary file names its writer (pid, start time, host), and the next
+   save removes those whose writer is dead (:func:`remove_killed_saves`), never a live
+   concurrent save's.
 2. **A checkpoint holds everything the next step depends on**, so that a resumed run is
    bitwise the run that never crashed: the model, the optimizer (momentum buffers), the progress
    (epoch and position within it: each epoch's shuffle is a function of ``(seed, epoch)``, see
