@@ -12,6 +12,7 @@ that does not start from JupyterLab. The test
   each rank's output marked ``[rank r]`` in rank order, a ``--on 0`` cell's value, the ring's
   steps, ``%ranks status`` and ``%ranks stop``;
 * moves the ring all-reduce slider one step with the keyboard and checks that the plot changed;
+* follows a term's link to the glossary, which opens at that term's heading;
 * saves a screenshot, whose path the end of the test session prints;
 * keeps the run, outputs and plots, for the site (``dmlbook.book.executed``).
 
@@ -76,6 +77,7 @@ def lab(tmp_path):
     root = tmp_path / "lab"
     root.mkdir()
     shutil.copy(CHAPTER, root / CHAPTER.name)
+    shutil.copy(CHAPTER.parent / "glossary.ipynb", root)  # the chapter's terms link to it
     port, token = free_port(), "dmlbook-browser-test"
     command = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser",
@@ -189,6 +191,7 @@ def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(both_cores, lab, tm
         page.screenshot(path=str(screenshot), full_page=False)
 
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        term = _follow_a_glossary_link(page)
         browser.close()
 
     assert value.strip() == "1", f"the slider should read 1 after one step, reads {value!r}"
@@ -206,7 +209,27 @@ def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(both_cores, lab, tm
     for cell in code:  # the session's run of chapter 2, kept for the site (tests/nbrecord.py)
         cell.outputs = executed.clean(cell.outputs)
     executed.store(CHAPTER, saved)
-    print(f"chapter 2 ran in JupyterLab in {ran_in:.0f} s; screenshot: {screenshot}")
+    print(f"chapter 2 ran in JupyterLab in {ran_in:.0f} s; its link to {term!r} landed on the "
+          f"glossary's heading; screenshot: {screenshot}")  # fmt: skip
+
+
+def _follow_a_glossary_link(page) -> str:
+    """Click a term's link to the glossary, as a learner does: JupyterLab opens the glossary at
+    that term's heading (the same link lands there on the site, tests/test_site.py)."""
+    link = page.locator(".jp-RenderedMarkdown a[href*='glossary.ipynb#']").first
+    link.scroll_into_view_if_needed()
+    term = link.get_attribute("href").split("#", 1)[1]
+    link.click()
+    page.wait_for_function(
+        "() => window.jupyterapp.shell.currentWidget?.context?.path === 'glossary.ipynb'",
+        timeout=30_000,
+    )
+    heading = page.locator(f".jp-RenderedMarkdown [data-jupyter-id='{term}'], [id='{term}']")
+    heading.first.wait_for(state="visible", timeout=30_000)
+    page.wait_for_timeout(500)  # the scroll to the fragment
+    box = heading.first.bounding_box()
+    assert box is not None and 0 <= box["y"] < 1000, f"the heading of {term!r} is not in view"
+    return term
 
 
 def _text(cell, kind: str = "stream") -> str:

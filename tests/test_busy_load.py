@@ -44,6 +44,8 @@ def _alive(pid: int) -> bool:
 
 def _inner_pytest(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[int]]:
     shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")  # the very file under test
+    (tmp_path / "tests").mkdir()  # and the plugin it loads (tests/nbrecord.py)
+    shutil.copy(REPO / "tests" / "nbrecord.py", tmp_path / "tests" / "nbrecord.py")
     (tmp_path / "test_inner.py").write_text(INNER)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     environ = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | env
