@@ -341,7 +341,6 @@ def start_hub(folder: Path, learners: list[str], password: str, timeout: float =
     env_for_all = {
         MARKER: marker,
         "TMPDIR": str(folder / "tmp"),
-        "MPLBACKEND": "Agg",
         "DMLBOOK_EXCHANGE": str(folder / "exchange"),
     }
     settings = {
@@ -407,6 +406,7 @@ class ChapterRun:
     cells: list[tuple[int, float]] = field(default_factory=list)  # (cell index, seconds) run
     code_cells: int = 0  # the notebook's code cells that have code
     errors: list[str] = field(default_factory=list)
+    notebook: nbformat.NotebookNode | None = None  # the notebook with every cell's outputs
     # kernels that never answered: why, for each (the run then started another, once)
     kernel_retries: list[str] = field(default_factory=list)
 
@@ -497,17 +497,23 @@ def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> C
             )  # fmt: skip
             t0 = time.monotonic()
             ws.send(json.dumps(request))
-            while True:
+            cell.outputs, reply, idle = [], None, False
+            while reply is None or not idle:  # the reply, and every output (until "idle")
                 frame = ws.recv()
-                if isinstance(frame, bytes):  # a message with binary buffers: not a reply
+                if isinstance(frame, bytes):  # a message with binary buffers: a widget's
                     continue
                 msg = json.loads(frame)
                 if msg.get("parent_header", {}).get("msg_id") != request["header"]["msg_id"]:
                     continue
-                if msg["msg_type"] == "execute_reply":
-                    break
+                kind = msg["msg_type"]
+                if kind == "execute_reply":
+                    reply = msg
+                elif kind == "status":
+                    idle = msg["content"]["execution_state"] == "idle"
+                elif kind in ("stream", "display_data", "execute_result", "error"):
+                    cell.outputs.append(nbformat.v4.output_from_msg(msg))
             result.cells.append((index, time.monotonic() - t0))
-            content = msg["content"]
+            content = reply["content"]
             if content["status"] != "ok":
                 # the traceback's last lines, as nbval would show them (the kernel colours them)
                 trace = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(content.get("traceback", [])))
@@ -519,6 +525,7 @@ def run_notebook(hub: Hub, name: str, path: str, cell_timeout: float = 300) -> C
     finally:
         result.seconds = time.monotonic() - started
         ws.close()
+    result.notebook = notebook
     return result
 
 

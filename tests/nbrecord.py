@@ -54,11 +54,11 @@ def pytest_runtest_teardown(item, nextitem):
 
 def kept_runs(items) -> set[str]:
     """The notebooks a session's items run and keep: those whose cells nbval runs, and those a
-    ``runs_chapters`` test runs itself (unless it says ``kept=False``, or is skipped)."""
+    ``runs_chapters`` test runs itself (unless it is skipped)."""
     names = {item.path.name for item in items if item.path.suffix == ".ipynb"}
     for item in items:
         mark = item.get_closest_marker("runs_chapters")
         skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
-        if mark is not None and mark.kwargs.get("kept", True) and not skipped:
+        if mark is not None and not skipped:
             names.update(mark.args)
     return names

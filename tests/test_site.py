@@ -4,8 +4,8 @@
 glossary, the guides, the API reference and a search into one folder. This test builds it the
 way the suite's runs leave it (issue 37: "each chapter executed once"): it runs after every other
 test has been handed out (marker ``after_chapters``), waits for the chapters the session runs to
-be kept (``tests/nbrecord.py``; chapter 9's run in the hub keeps no outputs, so the build runs it),
-builds into a temporary folder with every Sphinx warning an error, then checks
+be kept (``tests/nbrecord.py``, and the tests that run a chapter in JupyterLab, the hub or a
+learner's copy), builds into a temporary folder with every Sphinx warning an error, then checks
 
 * every internal link and anchor of every page, over the whole site, and each chapter's link to
   its notebook for download;

@@ -127,7 +127,7 @@ def _api_pages(stage: Path) -> None:
         (folder / f"{slug}.md").write_text("\n".join(body))
         index.append(f"* [{section}]({slug}.md): " + ", ".join(f"`{n}`" for n in names))
         pages.append(slug)
-    index += ["", "```{toctree}", ":hidden:", "", *pages, "```", ""]
+    index += ["", "```{toctree}", ":hidden:", ":titlesonly:", ":maxdepth: 1", "", *pages, "```", ""]
     (folder / "index.md").write_text("\n".join(index))
 
 
@@ -157,6 +157,8 @@ def _navigation(stage: Path, chapters: list[str]) -> None:
         "",
         "```{toctree}",
         ":hidden:",
+        ":titlesonly:",
+        ":maxdepth: 1",
         ":caption: Chapters",
         "",
         *(f"chapters/{c}" for c in chapters),
@@ -164,6 +166,8 @@ def _navigation(stage: Path, chapters: list[str]) -> None:
         "",
         "```{toctree}",
         ":hidden:",
+        ":titlesonly:",
+        ":maxdepth: 1",
         ":caption: Guides",
         "",
         *(f"guides/{g}" for g in guides),
@@ -171,6 +175,8 @@ def _navigation(stage: Path, chapters: list[str]) -> None:
         "",
         "```{toctree}",
         ":hidden:",
+        ":titlesonly:",
+        ":maxdepth: 1",
         ":caption: Reference",
         "",
         "chapters/glossary",
