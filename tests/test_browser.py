@@ -216,7 +216,10 @@ def test_chapter_2_runs_in_jupyterlab_and_its_widget_answers(both_cores, lab, tm
 def _follow_a_glossary_link(page) -> str:
     """Click a term's link to the glossary, as a learner does: JupyterLab opens the glossary at
     that term's heading (the same link lands there on the site, tests/test_site.py)."""
+    # back to the top: JupyterLab renders only the cells near the view, and the run ended below
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.content.scrollToItem(0, 'start')")
     link = page.locator(".jp-RenderedMarkdown a[href*='glossary.ipynb#']").first
+    link.wait_for(state="attached", timeout=30_000)
     link.scroll_into_view_if_needed()
     term = link.get_attribute("href").split("#", 1)[1]
     link.click()
