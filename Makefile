@@ -21,14 +21,14 @@ LOCK_PYTHON := 3.11
 TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*.whl),--find-links /opt/wheels,\
 	--index-strategy unsafe-best-match --extra-index-url https://download.pytorch.org/whl/cpu)
 TORCH ?=
-# JupyterHub's proxy for the classroom (`make classroom-proxy`). `make test` installs it where npm
-# is found, so that the hub test runs (a failed install fails that test, not the whole run);
-# without node that test skips and says why.
-CHP := classroom/node_modules/.bin/configurable-http-proxy
+# JupyterHub's proxy for a class on one server (`make jupyterhub-proxy`). `make test` installs it
+# where npm is found, so that the hub test runs (a failed install fails that test, not the whole
+# run); without node that test skips and says why.
+CHP := jupyterhub/node_modules/.bin/configurable-http-proxy
 HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 
 .PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
-	student grade site gpu-check classroom-proxy
+	copy-exercises grade site gpu-check jupyterhub-proxy
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
 # lock does not hold); the package itself goes in editable, without touching the pins.
@@ -53,7 +53,7 @@ install: $(STAMP)
 # Python $(LOCK_PYTHON) with torch's CPU build, less what lock-overrides.txt leaves out (and says
 # why). Commit the result; environment.yml reads it too.
 lock: lock-constraints.txt lock-overrides.txt | $(UV)
-	$(UV) pip compile pyproject.toml --extra dev --extra classroom --python-version $(LOCK_PYTHON) --quiet \
+	$(UV) pip compile pyproject.toml --extra dev --extra jupyterhub --python-version $(LOCK_PYTHON) --quiet \
 		$(TORCH_SOURCE) --constraint lock-constraints.txt --overrides lock-overrides.txt \
 		--no-emit-find-links \
 		--custom-compile-command "make lock" --output-file $(LOCK)
@@ -74,7 +74,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 run_tests = MPLBACKEND=Agg $(1) -m pytest tests chapters --nbval-lax --nbval-current-env $(XDIST) $(PYTEST_ARGS)
 
 test: $(STAMP)
-	-$(if $(HUB_PROXY),$(MAKE) --no-print-directory classroom-proxy)
+	-$(if $(HUB_PROXY),$(MAKE) --no-print-directory jupyterhub-proxy)
 	$(call run_tests,$(PY))
 
 test-unit: $(STAMP)
@@ -107,12 +107,14 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m dmlbook.bench gpu-check
 
-# Student copies (solutions replaced by stubs) in student/, and grading them: a table and JSON.
-student: $(STAMP)
-	$(PY) -m dmlbook.classroom student chapters/ student/
+# The learners' exercise copies (solutions replaced by stubs) in build/exercise-copies/, and
+# grading them (or the folder EXERCISE_COPIES names): a table, and grades.json in that folder.
+EXERCISE_COPIES ?= build/exercise-copies
+copy-exercises: $(STAMP)
+	$(PY) -m dmlbook.classroom copy-exercises chapters/ $(EXERCISE_COPIES)
 
 grade: $(STAMP)
-	$(PY) -m dmlbook.classroom grade student/
+	$(PY) -m dmlbook.classroom grade $(EXERCISE_COPIES)
 
 # The book as a static site in build/site/ (open build/site/index.html): the chapters with their
 # outputs and plots, the glossary, the guides in docs/, the API reference and an offline search.
@@ -120,14 +122,14 @@ grade: $(STAMP)
 site: $(STAMP)
 	$(PY) -m dmlbook.book site build/site
 
-# A class on one server (classroom/, README "For instructors"): JupyterHub's proxy from npm, exactly
-# the versions in classroom/package-lock.json, into classroom/node_modules (not global). The hub
-# configuration and the `hub` test find it there. Needs node and npm.
-$(CHP): classroom/package.json classroom/package-lock.json
-	npm ci --prefix classroom --no-audit --no-fund --loglevel=error
+# A class on one server (jupyterhub/, docs/guides/instructors.md): JupyterHub's proxy from npm,
+# exactly the versions in jupyterhub/package-lock.json, into jupyterhub/node_modules (not global).
+# The hub configuration and the `hub` test find it there. Needs node and npm.
+$(CHP): jupyterhub/package.json jupyterhub/package-lock.json
+	npm ci --prefix jupyterhub --no-audit --no-fund --loglevel=error
 	touch $(CHP)
 
-classroom-proxy: $(CHP)
+jupyterhub-proxy: $(CHP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmlbook tests examples

@@ -13,41 +13,46 @@ teaches it.
   device, the block of a size it owns), ``trace`` (recording traffic), ``collectives`` (every
   collective from send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in
   ``p2p``), ``costmodel`` (alpha-beta), ``compression`` and ``shm`` (shared memory, chapter 4),
-  ``alltoall`` (chapter 13)
-* ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``ddp`` (DDP from
-  scratch), ``ps`` (a sharded parameter server), ``checkpoint``, ``input_pipeline``,
-  ``serving`` (data-parallel inference), ``tuning``
+  ``alltoall`` (chapter 13), ``gloo_thread`` (gloo's transport thread and the scheduler)
+* ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``stages``, ``job``,
+  ``ddp`` (DDP from scratch), ``ps`` (a sharded parameter server), ``checkpoint``,
+  ``input_pipeline``, ``serving`` (data-parallel inference), ``tuning``
 * ``model_parallel`` (section 2, chapters 5-8): ``memory``, ``recompute``, ``layer_split``,
   ``schedules``, ``pipeline``, ``stage_balancing``, ``pipeline_workflows``, ``pipeline_serving``,
-  ``serving`` (freezing, offload, low-rank, distillation, quantization, reduced precision)
-* ``advanced`` (section 3 and beyond, chapters 9-12 and 9b): ``tensor_parallel``
-  (``tensor_parallel_comm``, ``vocab_parallel``), ``parallelize``, ``mesh``, ``zero``,
-  ``sharded_optimizer``, ``federated``, ``elastic``, ``speedups``; chapter 13's
-  ``sequence_parallel``, ``context_parallel``, ``moe``, ``expert_parallel``
+  ``efficiency`` (a model made cheaper to train and serve: freezing, offload, low rank,
+  distillation, quantization, reduced precision)
+* ``advanced`` (section 3 and beyond, chapters 9-13 and 9b), one folder per strategy:
+  ``tensor_parallel`` (Megatron layers, vocabulary parallelism, sequence parallelism, their
+  ``comm``), ``context_parallel``, ``expert_parallel``, ``zero`` (stages 1-3 and
+  ``zero.sharded_optimizer``), ``composition`` (the rank grid ``Layout``, plans, ``compose``,
+  chapter 9's DP x TP training, chapter 13's training and planner), ``federated``, ``elastic``,
+  ``speedups``
 * shared pieces: ``datasets``, ``models``, ``optim``, ``viz`` (the plots, a module per topic),
   ``notebook`` (helpers chapters repeat), ``cpu_wait`` (did each rank have a core while it was
-  timed? chapters 7 and 12),
-  ``exercises`` (checkers), ``classroom`` (student copies, grading), ``bench``
-  (``python -m dmlbook.bench``: each implementation against torch's own; ``make gpu-check``),
-  ``book`` (the chapters, data and scripts in the installed package;
-  ``python -m dmlbook.book copy DIR``)
-* ranks that live across notebook cells: ``dmlbook.launch.Ranks`` (``runtime.session``, also
-  ``dmlbook.ranks.Ranks``) and the IPython extension ``%load_ext dmlbook`` (``runtime.magic``:
-  ``%ranks`` and ``%%ranks``, chapters 2 and 9)
+  timed? chapters 7 and 12), ``exercises`` (checkers)
+* what serves the book: ``classroom`` (``python -m dmlbook.classroom``: a learner's copy of
+  the book, exercise copies, grading), ``bench`` (``python -m dmlbook.bench``: each
+  implementation against torch's own; ``make gpu-check``), ``book`` (the chapters, data and
+  scripts in the installed package)
+* ranks that live across notebook cells: ``dmlbook.launch.Ranks`` (``runtime.session``) and the
+  IPython extension ``%load_ext dmlbook`` (``runtime.magic``: ``%ranks`` and ``%%ranks``,
+  chapters 2 and 9)
 """
 
 __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext dmlbook``: the ``%ranks`` and ``%%ranks`` magics (``dmlbook.runtime.magic``)."""
-    from dmlbook.runtime.magic import load_ipython_extension as load  # imports torch: on demand
+    """``%load_ext dmlbook``: registers the ``%ranks`` and ``%%ranks`` magics
+    (:class:`dmlbook.runtime.magic.RanksMagics`)."""
+    from dmlbook.runtime.magic import RanksMagics  # imports torch: on demand, not with dmlbook
 
-    load(ipython)
+    ipython.register_magics(RanksMagics)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext dmlbook``: stop the ranks the magics started."""
-    from dmlbook.runtime.magic import unload_ipython_extension as unload
-
-    unload(ipython)
+    magics = ipython.magics_manager.registry.get("RanksMagics")
+    if magics is not None and magics.session is not None:
+        magics.session.close()
+        magics.session = None

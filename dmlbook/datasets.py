@@ -34,7 +34,7 @@ from dmlbook import book
 # The shipped data, inside the installed package (in a checkout, the repository's data/).
 DATA_DIR = book.data_dir()
 # The runnable scripts that torchrun starts (chapters 3, 4, 11 and 13), also inside the package:
-# notebooks find them here wherever they are run from, a learner's or a student's copy included.
+# notebooks find them here wherever they are run from, a learner's copy or an exercise copy too.
 EXAMPLES_DIR = book.examples_dir()
 
 

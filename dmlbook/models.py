@@ -325,7 +325,8 @@ def char_gpt(vocab_size: int, seed: int = 0, **kwargs) -> CharGPT:
 
 
 def count_parameters(module: nn.Module) -> int:
-    """Number of scalars in ``module``'s parameters (shared parameters counted once)."""
+    """Number of scalars in a built ``module``'s parameters (shared parameters counted once);
+    :func:`dmlbook.model_parallel.memory.spec_parameters` gives a transformer's from its sizes."""
     return sum(p.numel() for p in module.parameters())
 
 

@@ -1,6 +1,6 @@
 """Optimizer steps written out by hand, elementwise, in torch's own order of operations.
 
-Chapter 8's :class:`~dmlbook.model_parallel.serving.offload.OffloadedAdam` streams Adam's moments
+Chapter 8's :class:`~dmlbook.model_parallel.efficiency.offload.OffloadedAdam` streams Adam's moments
 from CPU memory or disk and steps each parameter with :func:`adam_update_`; chapter 9b's ZeRO steps
 each rank's flat shard with the same function. Elementwise is what lets a shard be stepped alone and
 still equal an optimizer that sees every parameter; the tests check it against

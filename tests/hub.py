@@ -1,7 +1,7 @@
-"""A real JupyterHub on 127.0.0.1 with the shipped classroom configuration, for the `hub` test and
-for sizing a class (``python tests/hub.py sizing``).
+"""A real JupyterHub on 127.0.0.1 with the shipped configuration (jupyterhub/), for the `hub` test
+and for sizing a class (``python tests/hub.py sizing``).
 
-The hub runs from classroom/jupyterhub_config.py with only what a test must change: learners sign
+The hub runs from jupyterhub/jupyterhub_config.py with only what a test must change: learners sign
 in with a password (JupyterHub's DummyAuthenticator) through the REST API, their servers are
 SimpleLocalProcessSpawner processes with homes under the run's own folder, and the ports, database,
 cookie secret and TMPDIR are the run's own. Every process the run starts carries a marker in its
@@ -31,8 +31,8 @@ import requests
 import websocket
 
 REPO = Path(__file__).resolve().parent.parent
-CLASSROOM = REPO / "classroom"
-PROXY = CLASSROOM / "node_modules" / ".bin" / "configurable-http-proxy"
+HUB_FILES = REPO / "jupyterhub"  # the hub's configuration, as a class server runs it
+PROXY = HUB_FILES / "node_modules" / ".bin" / "configurable-http-proxy"
 BIN = Path(sys.executable).parent
 MARKER = "DMLBOOK_HUB_RUN"  # environment variable every process of a run carries
 
@@ -361,7 +361,7 @@ def start_hub(folder: Path, learners: list[str], password: str, timeout: float =
     config = folder / "hub" / "test_config.py"
     config.write_text(
         TEST_CONFIG.format(
-            shipped=str(CLASSROOM / "jupyterhub_config.py"), settings=json.dumps(settings)
+            shipped=str(HUB_FILES / "jupyterhub_config.py"), settings=json.dumps(settings)
         )
     )
     env = dict(os.environ, **env_for_all)

@@ -85,6 +85,7 @@ def test_all_writes_every_bench_tagged(tmp_path, monkeypatch):
         ("pipeline", "bench_pipeline"),
         ("netlab", "bench_netlab"),
         ("composed", "bench_composed"),
+        ("tp_check", "bench_tp_check"),
         ("gpu", "bench_gpu"),
     ]:
         mod = importlib.import_module(f"dmlbook.bench.{module}")
@@ -98,6 +99,6 @@ def test_all_writes_every_bench_tagged(tmp_path, monkeypatch):
     bench.main(["all", "--json", str(path)])
     records = json.loads(path.read_text())
     expected = ["launch", "ranks", "data-parallel", "ddp", "allreduce", "recompute", "pipeline"]
-    expected += ["netlab", "composed"] + (["gpu"] if torch.cuda.is_available() else [])
+    expected += ["netlab", "composed", "tp-check"] + (["gpu"] if torch.cuda.is_available() else [])
     assert [r["bench"] for r in records] == expected
     assert all(r["figure"] == r["bench"].replace("-", "_") for r in records)

@@ -1,6 +1,7 @@
-"""Student copies and grading (:mod:`dmlbook.classroom`).
+"""The learners' exercise copies and grading them (:mod:`dmlbook.classroom.exercise_copies`,
+:mod:`dmlbook.classroom.grading`, ``python -m dmlbook.classroom``).
 
-The student copy of every chapter is written, and its exercises run; each must come out "not
+The exercise copy of every chapter is written, and its exercises run; each must come out "not
 attempted" and nothing else may fail. The solution notebooks must grade 100%, and a planted wrong
 answer must grade as failed, with the checker's message.
 """
@@ -20,7 +21,8 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from dmlbook import classroom
+from dmlbook.classroom import exercise_copies, grading
+from dmlbook.classroom.__main__ import main
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 NOTEBOOKS = sorted(p for p in CHAPTERS.glob("*.ipynb") if p.name[0].isdigit())  # not the glossary
@@ -40,10 +42,10 @@ def test_solution_becomes_the_stub_at_its_indentation_and_hidden_tests_go():
             "### END HIDDEN TESTS",
         ]
     )
-    assert classroom.strip_solutions(source).splitlines() == [
+    assert exercise_copies.strip_solutions(source).splitlines() == [
         "def f(x):",
         "    # YOUR CODE HERE",
-        "    " + classroom.STUB[1],
+        "    " + exercise_copies.STUB[1],
         "",
         "result = check(f)",
     ]
@@ -60,39 +62,55 @@ def test_solution_becomes_the_stub_at_its_indentation_and_hidden_tests_go():
 )
 def test_unbalanced_markers_are_refused(source, complaint):
     with pytest.raises(ValueError, match=complaint):
-        classroom.strip_solutions(source)
+        exercise_copies.strip_solutions(source)
 
 
-def test_student_copies_keep_everything_but_solutions_and_hidden_tests(tmp_path):
-    written = classroom.write_student_copies(CHAPTERS, tmp_path)
+def test_exercise_copies_keep_everything_but_solutions_and_hidden_tests(tmp_path):
+    written = exercise_copies.write_exercise_copies(CHAPTERS, tmp_path)
     # the glossary goes along, unchanged: the chapters' terms link to it
     assert [p.name for p in written] == [p.name for p in NOTEBOOKS] + ["glossary.ipynb"]
     glossary = nbformat.read(CHAPTERS / "glossary.ipynb", as_version=4)
     assert nbformat.read(written[-1], as_version=4).cells == glossary.cells
-    for source_path, student_path in zip(NOTEBOOKS, written[:-1], strict=True):
+    for source_path, copy_path in zip(NOTEBOOKS, written[:-1], strict=True):
         source = nbformat.read(source_path, as_version=4)
-        student = nbformat.read(student_path, as_version=4)
-        assert len(student.cells) == len(source.cells)
+        exercises = nbformat.read(copy_path, as_version=4)
+        assert len(exercises.cells) == len(source.cells)
         stubs = 0
-        for before, after in zip(source.cells, student.cells, strict=True):
+        for before, after in zip(source.cells, exercises.cells, strict=True):
             assert after.cell_type == before.cell_type and after.metadata == before.metadata
             text = before.source
             if before.cell_type == "code" and "### BEGIN" in text:
                 assert "### BEGIN" not in after.source and "### END" not in after.source
-                stubs += after.source.count(classroom.STUB[1])
+                stubs += after.source.count(exercise_copies.STUB[1])
             else:
                 assert after.source == text
         answers = sum(
-            c.cell_type == "code" and classroom.BEGIN_SOLUTION in c.source for c in source.cells
+            c.cell_type == "code" and exercise_copies.BEGIN_SOLUTION in c.source
+            for c in source.cells
         )
-        assert stubs == answers >= 2, student_path.name
+        assert stubs == answers >= 2, copy_path.name
 
 
-def test_student_copies_are_never_written_over_the_solutions(tmp_path):
+def test_exercise_copies_are_never_written_over_the_solutions(tmp_path, capsys):
     with pytest.raises(ValueError, match="holds the solutions"):
-        classroom.write_student_copies(CHAPTERS, CHAPTERS)
+        exercise_copies.write_exercise_copies(CHAPTERS, CHAPTERS)
     with pytest.raises(FileNotFoundError):
-        classroom.write_student_copies(tmp_path / "nowhere", tmp_path / "out")
+        exercise_copies.write_exercise_copies(tmp_path / "nowhere", tmp_path / "out")
+    # the command says the same in one line, and exits 1
+    assert main(["copy-exercises", str(CHAPTERS), str(CHAPTERS)]) == 1
+    assert "copy-exercises: " in (err := capsys.readouterr().err) and "holds the solutions" in err
+    assert main(["grade", str(tmp_path / "nowhere")]) == 1
+    assert "neither a notebook nor a folder" in capsys.readouterr().err
+
+
+def test_copy_exercises_command_writes_each_chapter(tmp_path, capsys):
+    out = tmp_path / "copies"
+    assert main(["copy-exercises", str(CHAPTERS / NOTEBOOKS[0].name), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote 1 exercise copies to {out}"
+    (written,) = out.iterdir()
+    assert written.name == NOTEBOOKS[0].name
+    cells = nbformat.read(written, as_version=4).cells
+    assert any(exercise_copies.STUB[1] in c.source for c in cells)
 
 
 # --------------------------------------------------------------------------- grading, for real
@@ -106,7 +124,7 @@ def _exercise_cells(notebook) -> list:
 
 def _plant_wrong_answer(cell):
     """The answer cell with its solution replaced by ``return None``: a wrong answer."""
-    source = classroom.strip_solutions(cell.source)
+    source = exercise_copies.strip_solutions(cell.source)
     cell.source = re.sub(
         r"^( *)# YOUR CODE HERE\n *raise NotImplementedError\(.*\)$",
         r"\1return None  # planted: a wrong answer",
@@ -154,7 +172,7 @@ def _first_code_cell(notebook):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_the_exercises_come_last_and_need_only_the_first_code_cell(path):
-    """What lets the test below run a student copy's first code cell and its exercises, not the
+    """What lets the test below run an exercise copy's first code cell and its exercises, not the
     whole chapter: no cell of the chapter's body can use an answer (the exercises come after it,
     and the copies differ only in the answer cells), and the exercises read no name but their own
     and the first cell's imports. nbval runs the body, the same in both copies, from the top."""
@@ -166,13 +184,13 @@ def test_the_exercises_come_last_and_need_only_the_first_code_cell(path):
     missing = _unbound_reads([_first_code_cell(notebook), *exercises])
     assert missing == [], (
         f"the exercises of {path.name} read {missing} from the chapter's body: bind them in the "
-        "first code cell or in the exercise section, so that the student copy's test holds"
+        "first code cell or in the exercise section, so that the exercise copy's test holds"
     )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_cell_finds_files_relative_to_its_notebook(path):
-    """Student copies are run from another folder (``make student``, a grader's copy): data and
+    """Exercise copies run from another folder (``make copy-exercises``, a grader's copy): data and
     scripts are found through the package (``dmlbook.datasets.EXAMPLES_DIR``), never ``../``."""
     for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
         if cell.cell_type == "code":
@@ -206,11 +224,11 @@ def grading_kernel(tmp_path_factory):
     kernels = []
     reset = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell()])
 
-    def kernel_for(folder: Path) -> classroom.GradingKernel:
+    def kernel_for(folder: Path) -> grading.GradingKernel:
         reset.cells[0].source = _FRESH_NAMESPACE.format(folder=str(folder))
         for _ in range(2):
             if not kernels:
-                kernel = classroom.GradingKernel(tmp_path_factory.mktemp("kernel"))
+                kernel = grading.GradingKernel(tmp_path_factory.mktemp("kernel"))
                 kernels.append(kernel.__enter__())
             done = kernels[-1].run(reset, "reset")
             if done.errors == []:
@@ -225,22 +243,22 @@ def grading_kernel(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_fails(
+def test_exercise_copies_are_not_attempted_solutions_pass_and_a_wrong_answer_fails(
     path, tmp_path, grading_kernel
 ):
-    """In the module's kernel, its names forgotten, in the student copy's folder, as a learner
-    would: the student copy's first code cell and exercises (every exercise "not attempted",
+    """In the module's kernel, its names forgotten, in the exercise copy's folder, as a learner
+    would: the exercise copy's first code cell and exercises (every exercise "not attempted",
     nothing else failing); then the solutions' exercise cells (all "passed"); then a planted
     wrong answer to exercise 1 (graded "failed", with the checker's message).
 
     The chapter's body is not run again here: the test above shows the exercises need nothing
     of it but the first cell, and nbval runs it (and the solutions' hidden tests) from the top.
     """
-    student_path = classroom.write_student_copies(path, tmp_path)[0]
-    student = nbformat.read(student_path, as_version=4)
+    copy_path = exercise_copies.write_exercise_copies(path, tmp_path)[0]
+    exercises = nbformat.read(copy_path, as_version=4)
     solution = nbformat.read(path, as_version=4)
     answers = [c for c in solution.cells if _nbgrader(c).get("solution")]
-    blank_cells = [_first_code_cell(student), *_exercise_cells(student)]
+    blank_cells = [_first_code_cell(exercises), *_exercise_cells(exercises)]
     kernel = grading_kernel(tmp_path)
     blank = kernel.run(nbformat.v4.new_notebook(cells=blank_cells), path.name)
     solved = kernel.run(nbformat.v4.new_notebook(cells=_exercise_cells(solution)), path.name)
@@ -248,7 +266,7 @@ def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_f
     planted_cells.append(solution.cells[solution.cells.index(answers[0]) + 1])
     planted = kernel.run(nbformat.v4.new_notebook(cells=planted_cells), path.name)
 
-    assert blank.errors == [], "the student copy's cells must run"
+    assert blank.errors == [], "the exercise copy's cells must run"
     assert len(blank.exercises) == len(answers) >= 2
     assert [e.status for e in blank.exercises] == ["not attempted"] * len(answers)
     assert all("not attempted" in e.message for e in blank.exercises)
@@ -256,8 +274,8 @@ def test_student_exercises_are_not_attempted_solutions_pass_and_a_wrong_answer_f
     assert solved.errors == []
     assert [e.status for e in solved.exercises] == ["passed"] * len(answers)
     assert [e.exercise for e in solved.exercises] == [e.exercise for e in blank.exercises]
-    assert classroom.summary([solved])["score"] == 1.0
-    assert classroom.summary([blank])["score"] == 0.0
+    assert grading.summary([solved])["score"] == 1.0
+    assert grading.summary([blank])["score"] == 0.0
 
     (wrong,) = planted.exercises
     assert wrong.exercise == blank.exercises[0].exercise
@@ -277,7 +295,7 @@ def test_grade_command_writes_a_table_and_json(tmp_path, capsys):
     cells += [answers[0], checks[0]]  # solved
     cells += [_plant_wrong_answer(nbformat.from_dict(answers[1])), checks[1]]  # wrong
     untouched = nbformat.from_dict(answers[2])
-    untouched.source = classroom.strip_solutions(untouched.source)
+    untouched.source = exercise_copies.strip_solutions(untouched.source)
     cells += [untouched, checks[2]]  # not attempted
     folder = tmp_path / "class"
     folder.mkdir()
@@ -285,7 +303,7 @@ def test_grade_command_writes_a_table_and_json(tmp_path, capsys):
         nbformat.v4.new_notebook(cells=cells, metadata=source.metadata), folder / "mix.ipynb"
     )
 
-    assert classroom.main(["grade", str(folder)]) == 0
+    assert main(["grade", str(folder)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"mix\.ipynb +shard +passed", out)
     assert re.search(r"mix\.ipynb +lr_schedule +failed +Exercise 'lr_schedule' failed", out)
@@ -319,7 +337,7 @@ def test_a_notebook_that_kills_its_kernel_or_hangs_is_reported_not_fatal(
     path = tmp_path / "stops.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=source.metadata), path)
 
-    grade = classroom.grade_notebook(path, timeout=timeout)
+    grade = grading.grade_notebook(path, timeout=timeout)
     assert grade.errors == [f"cell 1: {what}"]
     (exercise,) = grade.exercises
     assert exercise.status == "failed" and "cell 1 stopped the notebook" in exercise.message
@@ -606,21 +624,22 @@ def _lookup(namespace, dotted: str):
     return getattr(namespace[alias], attr)
 
 
-# ------------------------------------------------------------------- what a student copy holds
+# ----------------------------------------------------------------- what an exercise copy holds
 
 INSTRUCTOR_TEXT = re.compile(
-    r"instructor|student (copy|copies|version)|BEGIN (SOLUTION|HIDDEN TESTS)|END SOLUTION",
+    r"instructor|(student|learner|exercise) (copy|copies|version)"
+    r"|BEGIN (SOLUTION|HIDDEN TESTS)|END SOLUTION",
     re.IGNORECASE,
 )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_a_student_copy_holds_no_solution_and_no_instructor_text(path):
+def test_an_exercise_copy_holds_no_solution_and_no_instructor_text(path):
     """What a learner receives: no hidden test is left, no text cell quotes a line of a solution
     (stubbing removes the solutions from the code cells), and no cell speaks to the instructor
     about the copy itself."""
     notebook = nbformat.read(path, as_version=4)
-    student = classroom.student_notebook(notebook)
+    exercises = exercise_copies.exercise_notebook(notebook)
     solution_lines = {
         line.strip()
         for cell in notebook.cells
@@ -628,25 +647,25 @@ def test_a_student_copy_holds_no_solution_and_no_instructor_text(path):
         for line in _solution_lines(cell.source)
         if len(line.strip()) > 12  # `return x`, `pass`, `)` may well stay in a stub's context
     }
-    for index, cell in enumerate(student.cells):
+    for index, cell in enumerate(exercises.cells):
         text = cell.source
         assert not INSTRUCTOR_TEXT.search(text), (
-            f"{path.name} cell {index} of the student copy speaks to the instructor: "
+            f"{path.name} cell {index} of the exercise copy speaks to the instructor: "
             f"{INSTRUCTOR_TEXT.search(text).group(0)!r}"
         )
         if cell.cell_type != "markdown":
             continue  # the body's code may share a line such as `with torch.no_grad():`
         leaked = [line for line in text.splitlines() if line.strip() in solution_lines]
-        assert leaked == [], f"{path.name} cell {index} of the student copy holds {leaked}"
+        assert leaked == [], f"{path.name} cell {index} of the exercise copy holds {leaked}"
 
 
 def _solution_lines(source: str) -> list[str]:
     lines, inside = [], False
     for line in source.splitlines():
         marker = line.strip()
-        if marker in (classroom.BEGIN_SOLUTION, classroom.BEGIN_HIDDEN):
+        if marker in (exercise_copies.BEGIN_SOLUTION, exercise_copies.BEGIN_HIDDEN):
             inside = True
-        elif marker in (classroom.END_SOLUTION, classroom.END_HIDDEN):
+        elif marker in (exercise_copies.END_SOLUTION, exercise_copies.END_HIDDEN):
             inside = False
         elif inside:
             lines.append(line)
@@ -661,9 +680,12 @@ def test_instructor_text_and_a_leaked_solution_line_are_found(tmp_path):
         "    ### END SOLUTION\n"
     )
     leak = nbformat.v4.new_markdown_cell("Hint: `return sorted(x, key=abs)[::-1]`")
-    note = nbformat.v4.new_markdown_cell("An instructor's student copy replaces it.")
-    notebook = nbformat.v4.new_notebook(cells=[cell, leak, note])
-    student = classroom.student_notebook(notebook)
-    assert "sorted" not in student.cells[0].source
-    assert _solution_lines(cell.source)[0].strip() in student.cells[1].source
-    assert INSTRUCTOR_TEXT.search(student.cells[2].source)
+    notes = [
+        nbformat.v4.new_markdown_cell(text)
+        for text in ("An instructor's note.", "The student copy replaces it.", "Learner copies")
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[cell, leak, *notes])
+    exercises = exercise_copies.exercise_notebook(notebook)
+    assert "sorted" not in exercises.cells[0].source
+    assert _solution_lines(cell.source)[0].strip() in exercises.cells[1].source
+    assert all(INSTRUCTOR_TEXT.search(note.source) for note in exercises.cells[2:])

@@ -12,7 +12,8 @@ import functools
 import pytest
 import torch
 
-from dmlbook.advanced.composition.layout import GROUP_NAMES, Layout
+from dmlbook.advanced.composition.compose import COMPOSITION_ORDER
+from dmlbook.advanced.composition.layout import DEGREE_AXES, GRID_AXES, Axis, Layout
 from dmlbook.advanced.composition.planner import (
     Network,
     Workload,
@@ -22,7 +23,12 @@ from dmlbook.advanced.composition.planner import (
     predict_traffic,
     rank_layouts,
 )
-from dmlbook.advanced.composition.training import PHASES, time_layouts, train_composed
+from dmlbook.advanced.composition.training import (
+    PHASES,
+    composed_step,
+    time_layouts,
+    train_composed,
+)
 from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.comm.costmodel import Link
 from dmlbook.data_parallel.loop import train_reference
@@ -64,10 +70,37 @@ def test_group_table_of_a_2x2x2_layout():
     assert table["dp_cp"] == table["dp"] and table["cp"] == [[r] for r in range(8)]
 
 
+def test_the_axes_are_named_once_and_every_table_reads_them():
+    """One spelling: the grid, the degrees, the composition order, the group table and the
+    planner's traffic all hold members of Axis, which print as their plain names."""
+    every = (*GRID_AXES, *DEGREE_AXES, *COMPOSITION_ORDER)
+    assert all(isinstance(a, Axis) for a in every)
+    assert set(COMPOSITION_ORDER) == set(DEGREE_AXES) and set(GRID_AXES) < set(DEGREE_AXES)
+    work = Workload.of(make_dense(), BATCH, SEQ, MICRO)
+    assert list(predict_traffic(work, Layout(dp=2), 0).sent) == list(DEGREE_AXES)
+    assert all(isinstance(a, Axis) for a in Layout(dp=2).coordinates(1))
+    assert repr(COMPOSITION_ORDER) == "('tp', 'cp', 'ep', 'pp', 'dp')"
+    assert f"{Axis.dp_cp}" == "dp_cp"
+    assert Axis.tp == "tp" and {Axis.tp: 1}["tp"] == 1
+
+
+def test_the_composed_step_is_one_straight_function():
+    """composed_step reads top to bottom: forward and backward, the syncs by group, the ZeRO-1 step,
+    in that order, in at most 40 lines, calling no private name."""
+    import inspect
+    import re
+
+    source = inspect.getsource(composed_step)
+    assert len(source.splitlines()) <= 40
+    assert not re.search(r"(?<![\w.])_[a-z]\w*\(|\._[a-z]\w*", source)
+    order = [source.index(s) for s in ("pipeline.train_step(", "average_gradients(", ".step()")]
+    assert order == sorted(order)
+
+
 @pytest.mark.parametrize("layout", layouts_of(8)[::3] + [Layout(dp=2, cp=2, tp=2, ep=4)])
 def test_every_group_partitions_the_world_and_coordinates_round_trip(layout):
     table = layout.group_ranks()
-    assert list(table) == list(GROUP_NAMES)
+    assert list(table) == list(Axis)
     for groups in table.values():
         assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
     for rank in range(layout.world_size):

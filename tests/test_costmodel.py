@@ -6,7 +6,8 @@ import math
 import pytest
 
 from dmlbook.comm import costmodel as cm
-from dmlbook.comm.costmodel import ALGORITHMS, Link
+from dmlbook.comm.algorithms import ALGORITHMS
+from dmlbook.comm.costmodel import Link
 from dmlbook.launch import run
 
 N = 1200.0  # divisible by 2, 3, 4, 5 and 8, so ring's chunks are whole bytes

@@ -119,7 +119,7 @@ def test_unanswered_exercises_are_not_attempted():
 # An answer for each exercise that only calls the library: tests/test_exercise_back_doors.py
 # checks that each is rejected, because the functions that do the job are switched off.
 def _delegate_quantize(t):
-    from dmlbook.model_parallel.serving import quantization
+    from dmlbook.model_parallel.efficiency import quantization
 
     return quantization.quantize_int8(t, per_channel=False)
 
@@ -142,7 +142,7 @@ def _quantize_by_torch(t):
 
 
 def _quantize_rows(t):
-    from dmlbook.model_parallel.serving import quantization
+    from dmlbook.model_parallel.efficiency import quantization
 
     q, scales = quantization.quantize_rows(t.reshape(1, -1))
     return q.view_as(t), scales.item()

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from dmlbook.exercises import ExerciseFailed, ch08
-from dmlbook.model_parallel.serving import distillation, freezing, lowrank
+from dmlbook.model_parallel.efficiency import distillation, freezing, lowrank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

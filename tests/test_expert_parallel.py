@@ -1,4 +1,4 @@
-"""dmlbook.advanced.moe and expert_parallel: the router's top-k, capacity, dropped tokens and
+"""dmlbook.advanced.expert_parallel (moe, layer): the router's top-k, capacity, dropped tokens and
 auxiliary loss; expert parallelism over all-to-all equals the single-process MoE with the same
 weights and routing at world sizes 1-4 with uneven token counts per rank (outputs, input, expert
 and router gradients, three SGD steps; float64 to 1e-12), and so does the MoE char-GPT; experts

@@ -105,15 +105,15 @@ def test_threads_that_keep_their_creators_name_are_not_waited_for():
 def _policies_after_new_groups():
     """A group of this rank alone, followed at once (its loop thread has only just started, and
     may still carry the main thread's name), then chapter 13's mesh of the world."""
-    from dmlbook.advanced.composition.mesh import DeviceMesh
+    from dmlbook.advanced.composition.layout import Layout, ProcessGroups
 
     before = len(gloo_thread.loop_threads())
     alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     gloo_thread.follow_env()
     after_alone = {os.sched_getscheduler(tid) for tid in gloo_thread.loop_threads()}
-    mesh = DeviceMesh((2, 1), ("dp", "tp"))  # its groups: loop threads of their own
+    groups = ProcessGroups(Layout(dp=2))  # its groups: loop threads of their own
     x = torch.ones(5)
-    dist.all_reduce(x, group=mesh.group("dp"))
+    dist.all_reduce(x, group=groups.dp)
     dist.all_reduce(torch.ones(1), group=alone)
     tids = gloo_thread.loop_threads()
     return before, len(tids), after_alone, {os.sched_getscheduler(tid) for tid in tids}, x

@@ -1,10 +1,10 @@
-"""A class on one server, with the real tools: JupyterHub from classroom/jupyterhub_config.py, four
-learners at once, and an nbgrader round over the exchange with classroom/nbgrader_config.py.
+"""A class on one server, with the real tools: JupyterHub from jupyterhub/jupyterhub_config.py, four
+learners at once, and an nbgrader round over the exchange with jupyterhub/nbgrader_config.py.
 
 One test (marker ``hub``), in this order, because each step needs the one before:
-1. the hub starts on 127.0.0.1 (its proxy from ``make classroom-proxy``); four learners sign in
+1. the hub starts on 127.0.0.1 (its proxy from ``make jupyterhub-proxy``); four learners sign in
    through the REST API (a wrong password is refused); their servers start, and the book is in
-   each learner's home (``learner_server.py`` ran ``python -m dmlbook.book copy``);
+   each learner's home (``learner_server.py`` ran ``python -m dmlbook.classroom copy-book``);
 2. the four learners run chapter 9 at the same moment, each in a kernel of their own server,
    through the hub's proxy, and every cell runs without error (a kernel that never answers, the
    free-port race of Jupyter's kernels on a busy machine, is started again once, and shown);
@@ -37,7 +37,7 @@ from dmlbook.book import executed
 pytest.importorskip("websocket", reason="the hub test needs websocket-client (the dev extra)")
 from hub import (  # noqa: E402
     BIN,
-    CLASSROOM,
+    HUB_FILES,
     PROXY,
     REPO,
     is_loopback,
@@ -155,7 +155,7 @@ def answer(notebook, solution, plant_wrong: bool):
 
 @pytest.mark.timeout(1500)  # 98 s here at load average 4-8, 4-9 minutes at 15-25
 def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
-    assert PROXY.exists(), "JupyterHub's proxy is not installed: run `make classroom-proxy`"
+    assert PROXY.exists(), "JupyterHub's proxy is not installed: run `make jupyterhub-proxy`"
     started = time.monotonic()
     password = secrets.token_hex(8)
     hub = start_hub(tmp_path, LEARNERS, password)
@@ -207,7 +207,7 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
         )
         env = dict(
             os.environ,
-            JUPYTER_CONFIG_PATH=str(CLASSROOM),
+            JUPYTER_CONFIG_PATH=str(HUB_FILES),
             DMLBOOK_EXCHANGE=str(tmp_path / "exchange"),
             TMPDIR=str(tmp_path / "tmp"),
             MPLBACKEND="Agg",

@@ -7,6 +7,10 @@ component of more than one module (Tarjan's algorithm) is a circle. The edge goe
 module a statement names (``from a.b import c`` -> ``a.b.c`` if that is a module, else ``a.b``);
 importing a submodule runs its parent packages' ``__init__`` too, but that adds no edge here: a
 package that re-exports its modules is not in a circle with them.
+
+And one home per public name: no public name is *defined* (by ``def``, ``class`` or assignment at
+a module's top level) in two modules of the package; a package face re-exporting it by
+``import`` is fine.
 """
 
 from __future__ import annotations
@@ -174,3 +178,85 @@ def test_a_longer_circle_and_two_separate_ones_are_found(tmp_path):
         )
     found = circles(import_graph(package, "loops"))
     assert found == [["loops.p", "loops.q"], ["loops.x", "loops.y", "loops.z"]]
+
+
+# ---- one home per public name ------------------------------------------------------------------
+
+# Defined twice today, each with its fix: the list only shrinks (issue 38, item 5).
+NOT_YET_ONE_HOME = {
+    "STAGES": "two meanings: zero.accounting's ZERO_STAGES, data_parallel.stages' STEP_STAGES",
+    "START_TIMEOUT_S": "two timeouts: session's and the helper's, or one in runtime.errors",
+    "all_gather": "comm.shm's collectives over shared memory: shm_all_gather",
+    "all_reduce": "comm.shm: shm_all_reduce (collectives.all_reduce(algorithm='shm') calls it)",
+    "reduce_scatter": "comm.shm: shm_reduce_scatter",
+    "recording": "comm.collectives' is trace.recording(Send): callers use that, or recording_sends",
+    "flat_buffer": "viz.zero draws zero.stage0's flat buffer: a name saying it draws one",
+    "load_ipython_extension": "runtime.magic: delete its copy, dmlbook's own does the work",
+    "unload_ipython_extension": "runtime.magic: delete its copy, dmlbook's own does the work",
+    "main": "bench's into bench/__main__.py (a program), leaving rank_process.main",
+    "on_cpu_clock": "bench.pipeline's finds a median step's ops first: a name saying so",
+    "serve": "two servers: rank_server's (a session's rank) and zygote's (the warm helper)",
+    "train": "three trainers: data_parallel.loop's (chapter 1), ps's, zero.training's",
+}
+
+
+def _bound_at_top(statements: list[ast.stmt]) -> set[str]:
+    """Names a module's top level binds by ``def``, ``class`` or assignment, looking inside
+    top-level ``if``, ``try`` and ``with`` blocks too; imports bind nothing here."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [getattr(node, f, []) for f in ("body", "orelse", "finalbody")]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            for block in blocks:
+                names |= _bound_at_top(block)
+    return names
+
+
+def public_definitions(root: Path, package: str) -> dict[str, list[str]]:
+    """Each public name (no leading underscore) defined at the top level of a module under
+    ``root``, with the modules that define it. A ``__main__`` module is a program
+    (``python -m``), never imported, so its ``main`` is no name of the package."""
+    homes: dict[str, list[str]] = {}
+    for module, path in module_files(root, package).items():
+        if module.endswith(".__main__"):
+            continue
+        for name in _bound_at_top(ast.parse(path.read_text(), str(path)).body):
+            if not name.startswith("_"):
+                homes.setdefault(name, []).append(module)
+    return homes
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    homes = public_definitions(PACKAGE_ROOT, "dmlbook")
+    assert len(homes) > 500  # the walk read the package's definitions
+    allowed = set(NOT_YET_ONE_HOME)
+    twice = {name: where for name, where in homes.items() if len(where) > 1}
+    found = sorted(f"{name}: {', '.join(sorted(where))}" for name, where in twice.items()
+                   if name not in allowed)  # fmt: skip
+    assert not found, "public names defined in more than one module:\n" + "\n".join(found)
+
+
+def test_a_name_defined_twice_is_found_and_a_re_export_is_not(tmp_path):
+    package = tmp_path / "twice"
+    package.mkdir()
+    sources = {
+        "__init__": "from twice.a import shared, only_a\n__all__ = ['shared']\n",
+        "a": "def shared():\n    pass\n\nonly_a = 1\n_private = 2\n",
+        "b": "from twice.a import only_a\n_private = 3\n"
+        "try:\n    class shared:\n        pass\nexcept ImportError:\n    pass\n",
+        "__main__": "def main():\n    pass\n",
+        "c": "def main():\n    pass\n",
+    }
+    for name, source in sources.items():
+        (package / f"{name}.py").write_text(source)
+    homes = public_definitions(package, "twice")
+    assert sorted(homes["shared"]) == ["twice.a", "twice.b"]  # a def, and a class inside a try
+    assert homes["only_a"] == ["twice.a"]  # imported by the package and by b: defined in a only
+    assert homes["main"] == ["twice.c"]  # the program's main (__main__) is not counted
+    assert "_private" not in homes

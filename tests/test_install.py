@@ -6,8 +6,8 @@ state into a temporary folder, runs the README's set-up command there from nothi
 a chapter in the environment it built: a missing install step cannot hide behind a warm machine.
 The wheel test (marker ``install`` too) does what a class server does: it builds the wheel,
 installs it non-editable over the lock into a fresh venv, copies the book with
-``python -m dmlbook.book copy`` into an empty folder and runs a chapter there, nothing of the
-checkout in reach.
+``python -m dmlbook.classroom copy-book`` into an empty folder and runs a chapter there, nothing of
+the checkout in reach.
 """
 
 import json
@@ -52,7 +52,7 @@ def project_requirements() -> list[Requirement]:
     """pyproject.toml's dependencies and its extras (tomllib is 3.11+; we allow 3.10)."""
     text = (REPO / "pyproject.toml").read_text()
     found = []
-    for table in ("dependencies", "dev", "classroom"):
+    for table in ("dependencies", "dev", "jupyterhub"):
         block = re.search(rf"^{table} = \[(.*?)^\]", text, re.MULTILINE | re.DOTALL)
         assert block, f"pyproject.toml has no {table} list"
         found += [Requirement(r) for r in re.findall(r'"([^"]+)"', block.group(1))]
@@ -265,7 +265,7 @@ def test_the_wheel_carries_the_book_and_a_learners_copy_runs_outside_the_checkou
     # 3. The learner's copy, in an empty folder outside the repository.
     learner = tmp_path / "learner"
     assert not learner.is_relative_to(REPO)
-    copied = step("copy", [python, "-m", "dmlbook.book", "copy", learner], cwd=tmp_path)
+    copied = step("copy", [python, "-m", "dmlbook.classroom", "copy-book", learner], cwd=tmp_path)
     chapters = sorted(p.name for p in (REPO / "chapters").glob("*.ipynb"))
     assert sorted(p.name for p in learner.glob("*.ipynb")) == chapters, copied.stdout
     assert f"{len(chapters)} written" in copied.stdout

@@ -123,7 +123,7 @@ def test_presets_have_their_published_parameter_counts():
         "GPT-2 large": 774_030_080,
         "GPT-2 XL": 1_557_611_200,
     }
-    assert {s.name: memory.count_parameters(s) for s in memory.PRESETS} == published
+    assert {s.name: memory.spec_parameters(s) for s in memory.PRESETS} == published
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -131,7 +131,7 @@ def test_presets_have_their_published_parameter_counts():
 def test_spec_of_counts_the_char_gpt_parameters(n_layer, n_embd, n_head, bias):
     model = char_gpt(29, n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=20, bias=bias)
     spec = memory.spec_of(model)
-    assert memory.count_parameters(spec) == count_parameters(model)
+    assert memory.spec_parameters(spec) == count_parameters(model)
     # the estimate's parameter bytes are the tensors' bytes, layer by layer
     est = memory.estimate(spec, 2, 20)
     assert est.parameters == sum(p.nbytes for p in model.parameters())
@@ -142,7 +142,7 @@ def test_a_block_has_the_parameters_of_torchs_encoder_layer(d_model, n_head, d_f
     spec = dataclasses.replace(memory.BERT_BASE, d_model=d_model, n_head=n_head, d_ff=d_ff)
     one_more = dataclasses.replace(spec, n_layer=spec.n_layer + 1)
     layer = nn.TransformerEncoderLayer(d_model, n_head, dim_feedforward=d_ff)
-    assert memory.count_parameters(one_more) - memory.count_parameters(spec) == count_parameters(
+    assert memory.spec_parameters(one_more) - memory.spec_parameters(spec) == count_parameters(
         layer
     )
 

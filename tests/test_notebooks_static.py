@@ -17,7 +17,7 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from dmlbook import classroom
+from dmlbook.classroom import exercise_copies
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 NOTEBOOKS = sorted(p for p in CHAPTERS.glob("*.ipynb") if p.name[0].isdigit())  # not the glossary
@@ -147,7 +147,7 @@ def test_notebook_is_stored_without_outputs_and_with_the_python3_kernel(path):
 def test_exercises_are_answer_then_checker_cells_marked_for_nbgrader(path):
     notebook = nbformat.read(path, as_version=4)
     cells = [c for c in notebook.cells if c.cell_type == "code"]
-    answers = [i for i, c in enumerate(cells) if classroom.BEGIN_SOLUTION in c.source]
+    answers = [i for i, c in enumerate(cells) if exercise_copies.BEGIN_SOLUTION in c.source]
     assert len(answers) >= 2, "every chapter has at least two exercises"
     ids = []
     for i in answers:
@@ -157,7 +157,7 @@ def test_exercises_are_answer_then_checker_cells_marked_for_nbgrader(path):
         assert check_meta["grade"] and not check_meta["solution"] and check_meta["locked"]
         assert check_meta["points"] == 1
         assert ".check_" in check.source and 'result.status == "passed"' in check.source
-        assert classroom.BEGIN_HIDDEN in check.source
+        assert exercise_copies.BEGIN_HIDDEN in check.source
         ids += [meta["grade_id"], check_meta["grade_id"]]
     assert len(ids) == len(set(ids)), "nbgrader needs unique grade ids"
     graded = [c for c in cells if c.metadata.get("nbgrader", {}).get("grade")]

@@ -62,7 +62,7 @@ def requests():
 
 
 def pretrained_state():
-    return pw.train_reference(gpt, gpt_batches(seed=9), lr=1e-2).state
+    return pw.train_unsplit(gpt, gpt_batches(seed=9), lr=1e-2).state
 
 
 def balanced_counts(stages: int) -> list[int]:
@@ -131,12 +131,12 @@ def assert_same_state(got: dict, want: dict) -> None:
 @functools.cache
 def reference(which: str):
     if which == "gpt":
-        return pw.train_reference(gpt, gpt_batches(), lr=1e-2)
+        return pw.train_unsplit(gpt, gpt_batches(), lr=1e-2)
     if which == "mlp":
-        return pw.train_reference(
+        return pw.train_unsplit(
             wide_then_narrow, mlp_batches(), lr=1e-2, optimizer=torch.optim.SGD, steps=5
         )
-    return pw.train_reference(pw.with_weights(gpt, pretrained_state()), gpt_batches(seed=4), 1e-2)
+    return pw.train_unsplit(pw.with_weights(gpt, pretrained_state()), gpt_batches(seed=4), 1e-2)
 
 
 # ---- pipelined equals single-process ---------------------------------------------------------
@@ -181,7 +181,7 @@ def test_balanced_split_and_finetuning_equal_single_process(stages):
 def test_trainers_taking_turns_equal_single_process(stages):
     ranks = results(stages)
     want = {
-        "gpt": pw.train_reference(gpt, gpt_batches(), lr=1e-2, steps=5),
+        "gpt": pw.train_unsplit(gpt, gpt_batches(), lr=1e-2, steps=5),
         "mlp": reference("mlp"),
     }
     for name in ("gpt", "mlp"):
@@ -321,7 +321,7 @@ def test_bad_input_raises_valueerror():
     with pytest.raises(ValueError, match="batches is empty"):
         pw.train_pipelined(gpt, None, [])
     with pytest.raises(ValueError, match="steps must be >= 1"):
-        pw.train_reference(gpt, gpt_batches(), steps=0)
+        pw.train_unsplit(gpt, gpt_batches(), steps=0)
     with pytest.raises(ValueError, match="in_flight must be >= 1"):
         pw.serve_pipelined(gpt, None, requests(), in_flight=0)
     with pytest.raises(ValueError, match="same shape"):

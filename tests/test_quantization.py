@@ -1,6 +1,5 @@
-"""Tests for dmlbook.model_parallel.serving.quantization: the scale / 2 bound exactly, per-channel
-vs per-tensor, bytes,
-and digits accuracy of fp16 / int8 models against fp32."""
+"""Tests for dmlbook.model_parallel.efficiency.quantization: the scale / 2 bound exactly,
+per-channel vs per-tensor, bytes, and digits accuracy of fp16 / int8 models against fp32."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import torch
 from torch import nn
 
 from dmlbook.exercises import ch04
-from dmlbook.model_parallel.serving.quantization import (
+from dmlbook.model_parallel.efficiency.quantization import (
     QuantizedLinear,
     compare_on_digits,
     dequantize,

@@ -61,8 +61,8 @@ MOVED = [
     (
         "For instructors: student copies and grading",
         "guides/instructors.md",
-        "For instructors: student copies and grading",
-        "A checker reports that exception as *not attempted*, so a student copy runs top to "
+        "For instructors: exercise copies and grading",
+        "A checker reports that exception as *not attempted*, so an exercise copy runs top to "
         "bottom.",
     ),
     (

@@ -5,9 +5,11 @@ all-reduce becomes a reduce-scatter and an all-gather; the styles equal torch's 
 SequenceParallel / ColwiseParallel(input_layouts=Shard(1)) /
 RowwiseParallel(output_layouts=Shard(1)); the bytes a block saves for backward, measured, equal
 the formula (TP: replicated + split / t; SP: all / t); a sequence length that does not divide
-raises ValueError naming it, on every rank, no hang; a sequence split differently on two ranks
-(world 2 and 3) is a ValueError naming every rank's shape, on every rank, instead of a gloo
-abort."""
+raises ValueError naming it, on every rank, no hang; a sequence split differently on two ranks,
+a dtype that differs, a batch that differs where only backward communicates (world 2 and 3), and
+the issue's held-out step with a batch of 2 on rank 0 and 3 on rank 1 are each the same ValueError
+on every rank, naming the operator, the pass and every rank's shape, instead of a gloo abort; run()
+raises the last in the caller, naming the rank, within its timeout."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from rank_checks import by_world, caught
+from test_tensor_parallel import one_message_on_every_rank, rank_shapes
 from torch import nn
 
 from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.advanced.composition.plan import apply_plan, tensor_parallel_char_gpt
 from dmlbook.advanced.tensor_parallel import sequence_parallel as sp
 from dmlbook.comm.groups import group_rank_size
+from dmlbook.launch import RankError, run
 from dmlbook.model_parallel.memory.spec import spec_of
 from dmlbook.models import char_gpt
 
@@ -109,16 +113,41 @@ def _checks() -> dict:
     if world > 1:  # a sequence split differently on rank 1: every SP collective refuses it
         block = torch.ones(BATCH, 2 + (rank == 1), C, dtype=torch.float64)
         whole = torch.ones(BATCH, world * 2 + (rank == 1), C, dtype=torch.float64)
+        # a batch of 3 on rank 1, whose gradient only backward sends (scattering is local)
+        batch = torch.ones(BATCH + (rank == 1), SEQ, C, dtype=torch.float64, requires_grad=True)
         out["mismatch"] = {
             "gather": caught(lambda: sp.gather_from_sequence_parallel(block)),
             "reduce_scatter": caught(lambda: sp.reduce_scatter_to_sequence_parallel(whole)),
             "linear": caught(lambda: sp_model.blocks[0].mlp.c_fc(block)),
+            "dtype": caught(
+                lambda: sp.gather_from_sequence_parallel(block[:, :2].to(DTYPES[rank]))
+            ),
+            "backward": caught(lambda: sp.scatter_to_sequence_parallel(batch).sum().backward()),
         }
+        out["held_out"] = caught(lambda: _held_out(sp_model))
     check = torch.ones(1)
     if world > 1:
         dist.all_reduce(check)
     out["after_errors"] = check.item()
     return out
+
+
+DTYPES = {0: torch.float64, 1: torch.float32, 2: torch.float64, 3: torch.float64}
+
+
+def _held_out(sp_model: nn.Module) -> None:
+    """The issue's case: a batch of 2 on rank 0 and 3 on rank 1 (2 on any other), a training
+    step of the TP + SP char-GPT (it aborted the process inside gloo before the check)."""
+    rank, _ = group_rank_size()
+    idx, targets = _data(rank)
+    rows = 3 if rank == 1 else 2
+    _, loss = sp_model(idx[:rows], targets[:rows])
+    loss.backward()
+
+
+def _held_out_uncaught() -> None:
+    """The same, with nothing to catch the error: run() must raise it in the caller."""
+    _held_out(sp.sequence_parallel_char_gpt(reference_gpt()))
 
 
 def _block() -> nn.Sequential:
@@ -242,16 +271,39 @@ def test_sequence_length_that_does_not_divide_is_refused_on_every_rank(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_sequence_split_differently_on_two_ranks_is_a_value_error_on_every_rank(world):
-    blocks = [f"rank {r}: ({BATCH}, {3 if r == 1 else 2}, {C})" for r in range(world)]
-    wholes = [f"rank {r}: ({BATCH}, {2 * world + (r == 1)}, {C})" for r in range(world)]
-    for r in results(world):
-        mismatch = r["mismatch"]
-        assert mismatch["gather"].startswith("sequence-parallel all-gather: "), mismatch
-        assert mismatch["linear"].startswith("sequence-parallel all-gather: "), mismatch
-        assert mismatch["reduce_scatter"].startswith("sequence-parallel reduce-scatter: ")
-        for what, shapes in (("gather", blocks), ("linear", blocks), ("reduce_scatter", wholes)):
-            assert ", ".join(shapes) in mismatch[what], (what, mismatch[what])
-        assert r["after_errors"] == world  # and the ranks are still in step
+    mismatch = {
+        key: [r["mismatch"][key] for r in results(world)] for key in results(world)[0]["mismatch"]
+    }
+    blocks = rank_shapes(world, lambda r: (BATCH, 3 if r == 1 else 2, C))
+    wholes = rank_shapes(world, lambda r: (BATCH, 2 * world + (r == 1), C), dtype_of=None)
+    gather = "sequence-parallel all-gather (forward): "
+    one_message_on_every_rank(mismatch["gather"], gather, blocks)
+    one_message_on_every_rank(mismatch["linear"], gather, blocks)
+    one_message_on_every_rank(
+        mismatch["reduce_scatter"], "sequence-parallel reduce-scatter (forward): ", wholes
+    )
+    dtypes = rank_shapes(world, lambda r: (BATCH, 2, C), lambda r: DTYPES[r])
+    one_message_on_every_rank(mismatch["dtype"], gather, dtypes)
+    batches = rank_shapes(world, lambda r: (BATCH + (r == 1), SEQ // world, C))
+    one_message_on_every_rank(
+        mismatch["backward"], "sequence-parallel all-gather (backward): ", batches
+    )
+    assert all(r["after_errors"] == world for r in results(world))  # the ranks are still in step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_issue_s_batch_of_2_and_3_is_a_value_error_on_every_rank(world):
+    """Held out in issue 38: batches of 2 and 3 aborted a rank inside gloo. Now the embedding's
+    all-reduce, the step's first collective, refuses them on every rank; uncaught, run() raises
+    that error in the caller, naming the rank, well within its timeout (no hang, no abort)."""
+    shapes = rank_shapes(world, lambda r: (3 if r == 1 else 2, SEQ, C))
+    prefix = "tensor-parallel all-reduce (forward): "
+    message = one_message_on_every_rank([r["held_out"] for r in results(world)], prefix, shapes)
+    with pytest.raises(RankError) as caught_in_caller:
+        run(_held_out_uncaught, world, timeout=30)
+    error = caught_in_caller.value
+    assert error.rank in range(world), error
+    assert str(error).splitlines()[0] == f"rank {error.rank} failed first: ValueError: {message}"
 
 
 def test_dropout_is_refused_and_formula_checks_sizes():

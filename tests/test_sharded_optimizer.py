@@ -1,4 +1,4 @@
-"""Tests for dmlbook.advanced.sharded_optimizer: at world sizes 1-4, ShardedOptimizer wrapping
+"""Tests for dmlbook.advanced.zero.sharded_optimizer: at world sizes 1-4, ShardedOptimizer wrapping
 AdamW, SGD with Nesterov momentum and Adafactor (row and column statistics, RMS clipping: not
 elementwise) equals, bitwise, the unsharded optimizer fed the same averaged gradients and torch's
 ZeroRedundancyOptimizer under DDP, and one process on the global batch to rtol 1e-7; each rank

@@ -4,7 +4,11 @@ cross-entropy and the whole tensor-parallel char-GPT give the unsplit layer's ou
 gradients (float64 to 1e-10; the char-GPT in float32 to the issue's 1e-5); each rank holds 1/TP
 of the split weights; the MLP and attention run one all-reduce forward and one backward; the MLP
 equals DTensor's ColwiseParallel/RowwiseParallel on the same weights; sizes that do not divide
-raise ValueError naming them, on every rank, and the ranks carry on (no hang)."""
+raise ValueError naming them, on every rank, and the ranks carry on (no hang); mismatched inputs
+(a batch of 3 on rank 1, or float32 there) to the column-, row-parallel layers, the MLP and the
+char-GPT, forward and where only backward communicates, are the same ValueError on every rank,
+naming the operator, the pass and every rank's shape (world 2, 3 and 4); run() raises it in the
+caller, naming the rank, within its timeout (world 2 and 3)."""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from rank_checks import caught
 
 from dmlbook.advanced import tensor_parallel as tp
 from dmlbook.advanced.composition.plan import tensor_parallel_char_gpt
 from dmlbook.comm.groups import group_rank_size
-from dmlbook.launch import run
+from dmlbook.launch import RankError, run
 from dmlbook.models import GPTConfig, char_gpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -184,12 +189,47 @@ def _layer_checks() -> dict:
         *(_err(a, b.grad) for a, b in zip(grads.parameters(), tp_model.parameters(), strict=True)),
     )
     out["bad_sizes"] = _bad_sizes(world)
+    if world > 1:
+        out["mismatch"] = _mismatched_inputs(reference_gpt(), idx, targets)
     # The ranks are still in step after the errors: one more collective completes.
     check = torch.tensor([1.0])
     if world > 1:
         dist.all_reduce(check)
     out["after_errors"] = check.item()
     return out
+
+
+def _mismatched_inputs(model: torch.nn.Module, idx, targets) -> dict[str, str]:
+    """Each split layer given a batch of 3 on rank 1 and 2 elsewhere (or float32 on rank 1 and
+    float64 elsewhere): the ValueError each rank raised, or "no error"."""
+    rank, _ = group_rank_size()
+    rows = 3 if rank == 1 else 2
+    mlp = model.blocks[0].mlp
+    x = torch.ones(rows, SEQ, C, dtype=torch.float64)
+    x_grad = x.clone().requires_grad_()
+    column = tp.ColumnParallelLinear.from_linear(mlp.c_fc)
+    gathered = tp.ColumnParallelLinear.from_linear(mlp.c_fc, gather_output=True)
+    cut_here = tp.RowParallelLinear.from_linear(mlp.c_proj, input_is_parallel=False)
+    row = tp.RowParallelLinear.from_linear(
+        copy.deepcopy(mlp.c_proj).to(torch.float32 if rank == 1 else torch.float64)
+    )
+    hidden = torch.ones(2, SEQ, row.weight.shape[1], dtype=row.weight.dtype)  # same shape
+    return {
+        "column_gathered": caught(lambda: gathered(x)),  # all-gather forward
+        "row": caught(lambda: cut_here(torch.ones(rows, SEQ, 4 * C, dtype=torch.float64))),
+        "mlp": caught(lambda: tp.ParallelMLP.from_feedforward(mlp)(x)),  # column, then row
+        # nothing is sent forward: the all-reduce of x's gradient is the first to see it
+        "column_backward": caught(lambda: column(x_grad).sum().backward()),
+        "dtype": caught(lambda: row(hidden)),
+        "char_gpt": caught(lambda: tensor_parallel_char_gpt(model)(idx[:rows], targets[:rows])),
+    }
+
+
+def _mismatched_mlp_uncaught() -> None:
+    """A parallel MLP given a batch of 3 on rank 1 and 2 elsewhere, nothing catching the error."""
+    rank, _ = group_rank_size()
+    mlp = tp.ParallelMLP.from_feedforward(reference_gpt().blocks[0].mlp)
+    mlp(torch.ones(3 if rank == 1 else 2, SEQ, C, dtype=torch.float64))
 
 
 def _dtensor_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> float:
@@ -239,6 +279,23 @@ def _bad_sizes(world: int) -> list[str]:
     return messages
 
 
+def rank_shapes(world: int, shape_of, dtype_of=lambda rank: torch.float64) -> list[str]:
+    """Each rank's shape and dtype as the check names them, in rank order."""
+    return [
+        f"rank {r}: {shape_of(r)}" + (f" {dtype_of(r)}" if dtype_of else "") for r in range(world)
+    ]
+
+
+def one_message_on_every_rank(messages: list[str], prefix: str, shapes: list[str]) -> str:
+    """The error every rank raised: the same on every rank (the check's, not a local error of
+    one rank), naming the operator and the pass, then every rank's shape in rank order."""
+    assert len(set(messages)) == 1, messages  # the same ValueError on every rank
+    message = messages[0]
+    assert message.startswith(prefix), message
+    assert ", ".join(shapes) in message, (shapes, message)
+    return message
+
+
 @functools.cache
 def results(world: int) -> list[dict]:
     """Each rank's checks at TP = world: in process at 1, one launch at 2; at 3 and 4 the same
@@ -253,6 +310,7 @@ def results(world: int) -> list[dict]:
 
 
 WORLDS = [1, 2, 3, 4]
+MISMATCH_CASES = ("column_gathered", "row", "mlp", "column_backward", "dtype", "char_gpt")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -339,3 +397,40 @@ def test_padded_vocab_and_bad_arguments():
         tp.ColumnParallelLinear.from_linear(torch.nn.Linear(4, 10), parts=3)
     with pytest.raises(ValueError, match="dropout"):
         tensor_parallel_char_gpt(char_gpt(VOCAB, seed=0, dropout=0.1, n_embd=C, n_head=HEADS))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mismatched_inputs_are_one_value_error_on_every_rank(world):
+    """Every forward and backward collective checks every rank's shape and dtype first: the same
+    ValueError on every rank, naming the operator, the pass and each rank's shape."""
+    mismatch = {key: [r["mismatch"][key] for r in results(world)] for key in MISMATCH_CASES}
+
+    def shapes(*rest):  # a batch of 3 on rank 1, 2 on every other rank; float64
+        return rank_shapes(world, lambda r: (3 if r == 1 else 2, *rest))
+
+    gather = "tensor-parallel all-gather (forward): "
+    reduce, reduce_backward = (
+        f"tensor-parallel all-reduce ({p}): " for p in ("forward", "backward")
+    )
+    one_message_on_every_rank(mismatch["column_gathered"], gather, shapes(SEQ, 4 * C // world))
+    one_message_on_every_rank(mismatch["row"], reduce, shapes(SEQ, C))
+    one_message_on_every_rank(mismatch["mlp"], reduce, shapes(SEQ, C))
+    one_message_on_every_rank(mismatch["column_backward"], reduce_backward, shapes(SEQ, C))
+    one_message_on_every_rank(mismatch["char_gpt"], reduce, shapes(SEQ, C))  # the embedding's
+    dtypes = rank_shapes(
+        world, lambda r: (2, SEQ, C), lambda r: torch.float32 if r == 1 else torch.float64
+    )
+    one_message_on_every_rank(mismatch["dtype"], reduce, dtypes)
+    assert all(r["after_errors"] == world for r in results(world))  # the ranks are still in step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_mismatched_mlp_uncaught_is_a_rank_error_in_the_caller(world):
+    """Uncaught, the check's ValueError reaches run()'s caller, naming the rank, well within the
+    launch's timeout: no gloo abort, no hang."""
+    with pytest.raises(RankError) as caught_in_caller:
+        run(_mismatched_mlp_uncaught, world, timeout=30)
+    error = caught_in_caller.value
+    expected = "ValueError: tensor-parallel all-reduce (forward): "
+    assert str(error).startswith(f"rank {error.rank} failed first: {expected}"), error
+    assert ", ".join(rank_shapes(world, lambda r: (3 if r == 1 else 2, SEQ, C))) in str(error)

@@ -1,5 +1,5 @@
 """Benchmarks: each teaching implementation against torch's own, measured in the same run (the
-numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its chapter)::
+numbers chapters 2, 3, 4, 6, 9 and 13 and the README quote; each module names its chapter)::
 
     python -m dmlbook.bench launch           # dmlbook.launch.run vs torch.multiprocessing.spawn;
                                              # 200 launches at world size 4 (median, p95, > 1 s),
@@ -20,6 +20,9 @@ numbers chapters 2, 3, 4, 6 and 13 and the README quote; each module names its c
     python -m dmlbook.bench composed --json out.json
                                              # chapter 13's step at world size 8: memory and
                                              # bytes per dimension, measured / predicted
+    python -m dmlbook.bench tp-check --json out.json
+                                             # a TP + SP step with and without the shape
+                                             # checks of its collectives, at 2 and 3 ranks
     python -m dmlbook.bench gpu              # bf16 GEMM vs the card's peak; memory estimate vs
                                              # the CUDA allocator (needs a GPU)
     python -m dmlbook.bench gpu-check        # `make gpu-check`: gpu tests, chapter 8 and the
@@ -56,6 +59,7 @@ BENCHES = (
     "pipeline",
     "netlab",
     "composed",
+    "tp-check",
     "gpu",
 )
 
@@ -136,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         from dmlbook.bench.composed import bench_composed
 
         keep("composed", bench_composed())
+    if every or args.which == "tp-check":
+        from dmlbook.bench.tp_check import bench_tp_check
+
+        keep("tp-check", bench_tp_check())
     if (every and torch.cuda.is_available()) or args.which == "gpu":
         from dmlbook.bench.gpu import bench_gpu
 

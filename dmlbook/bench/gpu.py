@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from dmlbook.model_parallel.memory.spec import PRECISIONS
+
 CHAPTER = "08_throughput_and_latency.ipynb"  # the chapter with a CUDA path of its own
 GEMM_SIZE = 8192  # large enough to keep a Hopper's Tensor Cores busy
-PRECISIONS = ("fp32", "bf16", "mixed")
 
 
 def peak_bf16_tflops(device_name: str) -> float | None:

@@ -8,8 +8,8 @@ starts in chapters 3, 4, 11 and 13) inside this package, and the code finds them
 and `examples` are symbolic links to the repository's top-level folders, so both installs read
 the same files through the same functions.
 
-`python -m dmlbook.book copy DIR` writes a learner's own copy of the chapters (`learner_copy`);
-`python -m dmlbook.book path` prints where the installed chapters are.
+`python -m dmlbook.book path` prints where the installed chapters are; a learner's own copy of
+them is `python -m dmlbook.classroom copy-book DIR` (`dmlbook.classroom.book_copy`).
 
 No module here may take the name of another module: chapters 3 and 4 start torchrun in this
 folder (the parent of `examples/`), and `python -m` puts its working folder first on sys.path.

@@ -28,13 +28,13 @@ import nbformat
 from dmlbook import book
 
 # Where the cache lives unless $DMLBOOK_EXECUTED says otherwise: in a checkout, build/executed/.
-ENV = "DMLBOOK_EXECUTED"
+CACHE_ENV = "DMLBOOK_EXECUTED"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
 def cache_dir() -> Path:
     """The cache's folder: ``$DMLBOOK_EXECUTED``, else ``build/executed`` beside the chapters."""
-    where = os.environ.get(ENV)
+    where = os.environ.get(CACHE_ENV)
     return Path(where) if where else book.chapters_dir().parent / "build" / "executed"
 
 

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dmlbook.comm.algorithms import ALGORITHMS
+
 __all__ = [
-    "ALGORITHMS",
     "P2P",
     "Link",
     "terms",
@@ -48,7 +49,6 @@ __all__ = [
     "DEFAULT_P2P_SIZES",
 ]
 
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "naive")
 P2P = "p2p"  # one message between two ranks; fit() accepts it beside the ALGORITHMS
 DEFAULT_P2P_SIZES = tuple(1024 * 4**k for k in range(8))  # 1 KiB, 4 KiB, ..., 16 MiB
 SMALL_MESSAGE, SMALL_REPEAT_FACTOR = 1 << 20, 5  # ping-pongs under 1 MiB are repeated 5x more

@@ -93,7 +93,7 @@ class LoopState:
     """What the callbacks see: the model, where training stands, the last loss."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: the step hook updates the model itself
     group: object
     rank: int
     world_size: int
@@ -185,7 +185,7 @@ class ForwardBackward:
 
 def train_loop(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     x: torch.Tensor | None,
     y: torch.Tensor | None,
     batches: Iterable[LocalBatch | Batch],
@@ -201,7 +201,9 @@ def train_loop(
     ``x, y`` are the data that :class:`LocalBatch` entries index (None for a plan of
     :class:`~dmlbook.models.Batch` tensors). ``sync`` is the model synchronisation
     (:class:`GradientAveraging` by default; a DDP wrapper syncs in backward, so pass none).
-    ``forward_backward`` is the step hook (:class:`ForwardBackward`: cross entropy by default).
+    ``forward_backward`` is the step hook (:class:`ForwardBackward`: cross entropy by default);
+    with ``optimizer=None`` the hook also updates the model (chapter 13's composed step runs the
+    ZeRO-1 step itself), and the loop zeroes and steps nothing.
     ``step`` is the global step to count from, for a run that resumes. A step that raises (a
     callback's hook included) calls every callback's ``on_fault`` and then raises on.
     """
@@ -253,12 +255,14 @@ def train_step(state: LoopState, x, y, sync, forward_backward: Callable) -> None
     inputs = batch.inputs
     for callback in state.callbacks:
         inputs = callback.inputs(state, inputs)
-    state.optimizer.zero_grad()  # set_to_none (torch >= 2); a ZeRO wrapper may stand in
+    if state.optimizer is not None:  # None: the step hook updates the model itself
+        state.optimizer.zero_grad()  # set_to_none (torch >= 2); a ZeRO wrapper may stand in
     loss = forward_backward(state, Batch(inputs, batch.targets))  # compute (the step hook)
     state.loss = loss
     state.emit("after_backward")
     sync.after_backward(model, state.step, state.group)  # communication (synchronous SGD)
-    state.optimizer.step()
+    if state.optimizer is not None:
+        state.optimizer.step()
     sync.after_step(model, state.step, state.group)  # communication (model averaging)
     state.step += 1
     state.loss = None if loss is None else loss.detach()

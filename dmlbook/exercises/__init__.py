@@ -7,10 +7,10 @@ A notebook's exercise cell holds the solution between nbgrader-style markers::
         ...
         ### END SOLUTION
 
-and the next cell checks it: ``ch01.check_shard(my_shard)``. An instructor's student version
+and the next cell checks it: ``ch01.check_shard(my_shard)``. An instructor's exercise copy
 replaces everything between the markers with ``raise NotImplementedError``, so every checker treats
 that exception (raised directly, or on a rank of a distributed check) as "not attempted yet": it
-prints one friendly line and returns, and a student notebook with open exercises still runs top to
+prints one friendly line and returns, and an exercise copy with open exercises still runs top to
 bottom. A right answer prints a short "passed" line; a wrong one raises :class:`ExerciseFailed`
 saying which input, what was expected and what came back.
 

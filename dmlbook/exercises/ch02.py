@@ -40,8 +40,8 @@ from dmlbook.launch import RankTimeoutError
 __all__ = ["check_ring_all_gather", "check_tree_broadcast"]
 
 # (world size, elements per rank's tensor): one launch each, lengths varied
-CASES = ((2, 3), (3, 1), (4, 2))
-WORLD_SIZES = tuple(world for world, _ in CASES)
+_CASES = ((2, 3), (3, 1), (4, 2))
+WORLD_SIZES = tuple(world for world, _ in _CASES)
 # seconds per launch: right answers finish in about one, so a wrong schedule that leaves a rank
 # waiting for a message is reported soon
 TIMEOUT = 8.0
@@ -287,7 +287,7 @@ def check_ring_all_gather(
     """Check ``fn(tensor_list, tensor)``: every rank's ``tensor_list[j]`` (given filled with NaN)
     becomes rank j's tensor, in place, built from send/recv as a ring, at world sizes 2, 3 and
     4, each rank's tensor drawn at random on that rank."""
-    for world, n in CASES:
+    for world, n in _CASES:
         call = f"your all_gather on {world} ranks with tensors of {n} elements"
         with learner_code(call):
             reports = _run_checked(
@@ -435,7 +435,7 @@ def check_tree_broadcast(fn: Callable[[torch.Tensor, int], None], timeout: float
     """Check ``fn(tensor, src)``: every rank's ``tensor`` becomes rank ``src``'s, from send/recv,
     each rank receiving once, in at most ceil(log2 p) rounds, at world sizes 2, 3 and 4 and
     several roots, each rank's tensor drawn at random on that rank."""
-    for world, n in CASES:
+    for world, n in _CASES:
         call = f"your broadcast on {world} ranks with tensors of {n} elements"
         with learner_code(call):
             per_rank = _run_checked(

@@ -3,7 +3,7 @@
 1. ``check_int8_quantize``: write ``quantize(t) -> (q, scale)``, symmetric int8 quantization
    with one scale per tensor: ``q = round(t / scale)`` in [-127, 127] with ``scale = max|t| / 127``,
    so that ``q * scale`` is within ``scale / 2`` of every element
-   (:mod:`dmlbook.model_parallel.serving.quantization` does it per output channel).
+   (:mod:`dmlbook.model_parallel.efficiency.quantization` does it per output channel).
 2. ``check_topk_error_feedback``: write ``compress(grad, residual, k) -> (values, indices,
    new_residual)``, top-k sparsification with error feedback: add the residual left from last
    step, send the k entries of largest *magnitude*, and keep everything not sent as the new
@@ -58,8 +58,8 @@ def _one_scale(name: str, scale) -> float:
 @checker(
     "int8_quantize",
     writes=(
-        "dmlbook.model_parallel.serving.quantization.quantize_int8",
-        "dmlbook.model_parallel.serving.quantization.quantize_rows",
+        "dmlbook.model_parallel.efficiency.quantization.quantize_int8",
+        "dmlbook.model_parallel.efficiency.quantization.quantize_rows",
         "dmlbook.comm.compression.int8_hook",
         "torch.quantize_per_tensor",
         "torch.quantize_per_tensor_dynamic",

@@ -71,7 +71,7 @@ _LAYER_COUNT_BACK_DOORS = (
 @checker(
     "layer_parameters",
     writes=(
-        "dmlbook.model_parallel.memory.count_parameters",
+        "dmlbook.model_parallel.memory.spec_parameters",
         "dmlbook.models.count_parameters",
         "torch.nn.TransformerEncoderLayer",
         "torch.nn.TransformerDecoderLayer",

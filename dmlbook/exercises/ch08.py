@@ -2,14 +2,14 @@
 
 1. ``check_freeze_first``: write ``freeze_first(layers, k)``: the parameters of the first ``k``
    layers stop training (``requires_grad=False``) and every later layer trains
-   (:mod:`dmlbook.model_parallel.serving.freezing`).
+   (:mod:`dmlbook.model_parallel.efficiency.freezing`).
 2. ``check_energy_rank``: write ``energy_rank(weight, keep)``: the smallest rank ``r`` whose
    ``r`` largest singular values keep at least ``keep`` of the matrix's energy, the sum of the
-   *squared* singular values (:mod:`dmlbook.model_parallel.serving.lowrank`).
+   *squared* singular values (:mod:`dmlbook.model_parallel.efficiency.lowrank`).
 3. ``check_distillation_loss``: write ``distillation_loss(student_logits, teacher_logits,
    targets, T, alpha)``, Hinton et al.'s ``alpha * T^2 * KL(softmax(teacher / T) ||
    softmax(student / T)) + (1 - alpha) * CE(student, targets)``, the KL summed over classes and
-   averaged over samples (:mod:`dmlbook.model_parallel.serving.distillation`).
+   averaged over samples (:mod:`dmlbook.model_parallel.efficiency.distillation`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from dmlbook.exercises import ExerciseFailed, checker, learner_code
-from dmlbook.model_parallel.serving.distillation import distillation_loss
-from dmlbook.model_parallel.serving.layers import as_layers
-from dmlbook.model_parallel.serving.lowrank import energy_rank
+from dmlbook.model_parallel.efficiency.distillation import distillation_loss
+from dmlbook.model_parallel.efficiency.layers import as_layers
+from dmlbook.model_parallel.efficiency.lowrank import energy_rank
 from dmlbook.models import char_gpt, mlp
 
 __all__ = ["check_distillation_loss", "check_energy_rank", "check_freeze_first"]
@@ -74,8 +74,8 @@ def _freeze_hint(layers: nn.ModuleList, flags: list[list[bool]], k: int, was: li
 @checker(
     "freeze_first",
     writes=(
-        "dmlbook.model_parallel.serving.freezing.freeze_first",
-        "dmlbook.model_parallel.serving.freezing.freeze",
+        "dmlbook.model_parallel.efficiency.freezing.freeze_first",
+        "dmlbook.model_parallel.efficiency.freezing.freeze",
     ),
 )
 def check_freeze_first(fn: Callable[[nn.ModuleList, int], None]) -> str:
@@ -155,7 +155,7 @@ def _energy_bugs(weight: torch.Tensor, keep: float) -> dict[str, int]:
     }
 
 
-@checker("energy_rank", writes=("dmlbook.model_parallel.serving.lowrank.energy_rank",))
+@checker("energy_rank", writes=("dmlbook.model_parallel.efficiency.lowrank.energy_rank",))
 def check_energy_rank(fn: Callable[[torch.Tensor, float], int]) -> str:
     """Check ``fn(weight, keep) -> r``: the smallest rank keeping ``keep`` of the energy."""
     cases = _energy_cases()
@@ -233,8 +233,8 @@ def _distillation_bugs(s, t, y, temperature, alpha) -> list[tuple[str, torch.Ten
 @checker(
     "distillation_loss",
     writes=(
-        "dmlbook.model_parallel.serving.distillation.distillation_loss",
-        "dmlbook.model_parallel.serving.distillation.soft_target_loss",
+        "dmlbook.model_parallel.efficiency.distillation.distillation_loss",
+        "dmlbook.model_parallel.efficiency.distillation.soft_target_loss",
     ),
 )
 def check_distillation_loss(fn: Callable[..., torch.Tensor]) -> str:

@@ -71,7 +71,7 @@ def _average_mistakes(states, counts) -> dict[str, dict[str, torch.Tensor]]:
 
 # (counts, seed, scale): the last is a federation of big clients with large weights, where a
 # fixed-point detour (fl.encode's integers hold |n_k * w| below 2**23) overflows.
-CASES = [
+_CASES = [
     ([30, 10, 60], 0, 1.0),
     ([100, 1], 1, 1.0),
     ([7], 2, 1.0),
@@ -85,7 +85,7 @@ CASES = [
 def check_weighted_average(fn: Callable[[list[dict], list[int]], dict]) -> str:
     """Check ``fn(states, counts)`` returns sum_k counts[k] / sum(counts) * states[k] for every
     key, leaving ``states`` unchanged."""
-    for counts, seed, scale in CASES:
+    for counts, seed, scale in _CASES:
         states = _states(counts, seed, scale)
         before = [{k: v.clone() for k, v in s.items()} for s in states]
         call = f"your weighted_average(<{len(counts)} client states>, counts={counts})"
@@ -126,7 +126,7 @@ def check_weighted_average(fn: Callable[[list[dict], list[int]], dict]) -> str:
             f"{[round(x, 5) for x in want[key].tolist()]}{hint}"
         )
     return (
-        f"right on {len(CASES)} sets of clients (one client, equal and very unequal counts, "
+        f"right on {len(_CASES)} sets of clients (one client, equal and very unequal counts, "
         "clients of 250,000 samples)"
     )
 

@@ -392,7 +392,7 @@ def _expert_hint(name: str, mine: list[list[int]], table: dict[str, list[list[in
 @checker(
     "expert_groups",
     writes=(
-        "dmlbook.advanced.composition.layout.mesh_groups",
+        "dmlbook.advanced.composition.layout.Layout.grid_groups",
         "dmlbook.advanced.composition.layout.Layout.group_ranks",
         "dmlbook.advanced.composition.layout.Layout.groups_of",
         "dmlbook.advanced.composition.layout.Layout.coordinates",

@@ -10,6 +10,6 @@
 * ``stage_balancing``: stages cut by measured cost, a linear-partition DP (chapter 7)
 * ``pipeline_workflows``: pipelined training on and off, fine-tuning (chapter 7)
 * ``pipeline_serving``: a stream of requests through overlapping stages (chapter 7)
-* ``serving``: freezing, offload, low-rank, distillation, quantization and reduced-precision
-  inference (chapter 8)
+* ``efficiency``: a model made cheaper to train and serve without splitting it: freezing,
+  offload, low-rank, distillation, quantization and reduced-precision inference (chapter 8)
 """

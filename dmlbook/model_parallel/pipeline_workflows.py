@@ -9,10 +9,11 @@ s (``counts[s]`` consecutive layers) and runs its part of every step.
   (P = 1 is plain single-process training, with or without a process group), any split
   (``counts`` from ``even_partition`` or a balancer,
   :mod:`dmlbook.model_parallel.stage_balancing`), any number of micro-batches. ``microbatches=1``
-  turns pipelining off, ``> 1`` turns it on; nothing else changes. :func:`train_reference` is the
-  plain single-process loop it must agree with.
-  :class:`PipelinedTrainer` is that loop one step at a time, so that several splits can take
-  turns on the same ranks and be timed under the same conditions.
+  turns pipelining off, ``> 1`` turns it on; nothing else changes. :class:`PipelinedTrainer` is
+  that loop one step at a time, so that several splits can take turns on the same ranks and be
+  timed under the same conditions. :func:`train_unsplit` is what they must all agree with: the
+  whole model, unsplit, trained in one process by the one reference trainer
+  (:func:`dmlbook.data_parallel.loop.train_reference`), as a one-stage :class:`TrainResult`.
 - Fine-tuning is training from other weights: :func:`with_weights` wraps a model factory so every
   rank starts from a pre-trained state dict; :func:`finetune_text` is a second text that ships
   with Python (stdlib docstrings) to fine-tune on, and :func:`lm_batches` and :func:`lm_loss`
@@ -45,8 +46,7 @@ from torch import nn
 
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.cpu_wait import cores_are_free, cpu_wait_in_burst, cpu_wait_s
-from dmlbook.data_parallel.loop import Callback, LoopState
-from dmlbook.data_parallel.loop import train_reference as _reference_loop
+from dmlbook.data_parallel.loop import Callback, LoopState, train_reference
 from dmlbook.datasets import char_blocks
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel.layer_split import _stage_of
@@ -82,7 +82,7 @@ __all__ = [
     "serve_window",
     "step_times",
     "train_pipelined",
-    "train_reference",
+    "train_unsplit",
     "unbalanced_mlp",
     "with_weights",
 ]
@@ -321,7 +321,7 @@ class _StepTimes(Callback):
         self.times.append(time.perf_counter() - self.start)
 
 
-def train_reference(
+def train_unsplit(
     model_fn: Callable[[], nn.Module],
     batches: Sequence[Batch],
     lr: float = 1e-3,
@@ -329,12 +329,14 @@ def train_reference(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
 ) -> TrainResult:
-    """What :func:`train_pipelined` must equal: the one reference trainer
-    (:func:`dmlbook.data_parallel.loop.train_reference`) on the same batches, each step timed."""
+    """What :func:`train_pipelined` must equal: the whole model, not split into stages, trained
+    in this one process by the one reference trainer
+    (:func:`dmlbook.data_parallel.loop.train_reference`) on the same batches for the same steps,
+    each step timed; returned as a one-stage :class:`TrainResult` (``state`` has every layer)."""
     steps = _check_training(batches, steps)
     timer = _StepTimes()
     plan = (_batch_for(batches, step) for step in range(steps))
-    done = _reference_loop(model_fn, plan, optimizer=optimizer, lr=lr, loss_fn=loss_fn,
+    done = train_reference(model_fn, plan, optimizer=optimizer, lr=lr, loss_fn=loss_fn,
                            callbacks=[timer])  # fmt: skip
     model = done.model
     n_layers = len(pp.layers_of(model))

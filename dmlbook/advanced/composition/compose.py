@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.optim import Optimizer
 
-from dmlbook.advanced.composition.layout import ProcessGroups
+from dmlbook.advanced.composition.layout import Axis, ProcessGroups
 from dmlbook.advanced.composition.plan import Style, apply_plan
 from dmlbook.advanced.context_parallel.styles import ContextParallel
 from dmlbook.advanced.expert_parallel import ExpertParallelMoE, apply_expert_parallel
@@ -42,13 +42,11 @@ from dmlbook.advanced.tensor_parallel.sequence_parallel import (
     SequenceParallel,
 )
 from dmlbook.advanced.zero.sharded_optimizer import ShardedOptimizer
-from dmlbook.data_parallel import average_gradients
 from dmlbook.model_parallel.pipeline import even_partition, layers_of, split_model
 
 __all__ = [
     "COMPOSITION_ORDER",
     "Composed",
-    "GradientSync",
     "apply_cp",
     "apply_dp",
     "apply_ep",
@@ -60,11 +58,11 @@ __all__ = [
 
 # The order in which the parallelisms are applied, stated once; compose() walks it.
 COMPOSITION_ORDER = (
-    "tp",  # 1. tensor (+ sequence) parallelism: decides which slice of each weight exists here
-    "cp",  # 2. context parallelism: attention over the sequence spread across the CP group
-    "ep",  # 3. expert parallelism: which experts exist here (the rest are dropped)
-    "pp",  # 4. pipeline parallelism: which layers exist here (a stage of the shards above)
-    "dp",  # 5. data parallelism + ZeRO-1: which ranks hold the same parameters now, to average
+    Axis.tp,  # 1. tensor (+ sequence) parallelism: decides which slice of each weight exists here
+    Axis.cp,  # 2. context parallelism: attention over the sequence spread across the CP group
+    Axis.ep,  # 3. expert parallelism: which experts exist here (the rest are dropped)
+    Axis.pp,  # 4. pipeline parallelism: which layers exist here (a stage of the shards above)
+    Axis.dp,  # 5. data parallelism + ZeRO-1: which ranks hold the same parameters now, to average
 )
 
 
@@ -94,45 +92,6 @@ class Composed:
     def __post_init__(self) -> None:
         if self.stage is None:
             self.stage = self.model  # before pipeline parallelism, the stage is the model
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The stage's gradients dropped (the one training loop calls it as an optimizer's)."""
-        for p in self.stage.parameters():
-            p.grad = None
-
-    def sync_gradients(self) -> None:
-        """Communication: dense gradients summed over ``dp_cp``, expert gradients over ``edp``,
-        both divided by ``dp * cp``: each rank's loss is the mean over its share of the tokens."""
-        layout, groups = self.groups.layout, self.groups
-        for params, group in ((self.dense, groups.dp_cp), (self.experts, groups.edp)):
-            average_gradients(params, group, algorithm="ring", divide_by=layout.dp * layout.cp)
-
-    def step(self) -> None:
-        """The ZeRO-1 step: each owner steps its parameters and broadcasts them."""
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    @property
-    def sync(self) -> GradientSync:
-        """This composition's gradient averaging as the one training loop's sync scheme."""
-        return GradientSync(self)
-
-
-@dataclass
-class GradientSync:
-    """The sync scheme of :func:`~dmlbook.data_parallel.loop.train_loop` for a composed model:
-    after backward, :meth:`Composed.sync_gradients`; nothing after the step (ZeRO-1's step
-    broadcasts the parameters itself)."""
-
-    composed: Composed
-
-    def after_backward(self, model: nn.Module, step: int, group=None) -> None:
-        self.composed.sync_gradients()  # communication
-
-    def after_step(self, model: nn.Module, step: int, group=None) -> None:
-        pass
-
-    finish = after_step
 
 
 def apply_tp(composed: Composed) -> None:
@@ -190,12 +149,12 @@ def apply_dp(composed: Composed) -> None:
     ]
 
 
-STEPS: dict[str, Callable[[Composed], None]] = {
-    "tp": apply_tp,
-    "cp": apply_cp,
-    "ep": apply_ep,
-    "pp": apply_pp,
-    "dp": apply_dp,
+STEPS: dict[Axis, Callable[[Composed], None]] = {
+    Axis.tp: apply_tp,
+    Axis.cp: apply_cp,
+    Axis.ep: apply_ep,
+    Axis.pp: apply_pp,
+    Axis.dp: apply_dp,
 }
 
 

@@ -1,15 +1,16 @@
-"""A 5-D layout of the ranks: data, tensor, pipeline, context and expert parallelism (chapter 13;
-chapter 9 uses its two-dimensional case, ``Layout(dp=..., tp=...)``).
+"""The rank grid: one validated value with named axes, from which every process group, chapter
+9's DP x TP mesh and the planner's dimensions are read (chapters 9 and 13).
 
 Composing parallelisms starts with one question: which ranks talk to which? :class:`Layout` is
 the answer as a validated value, in the manner of torchtitan's ``ParallelDims``: the degrees
 ``dp``, ``tp``, ``pp``, ``cp`` and ``ep``, checked once, with errors that name the dimension.
+Chapter 9's DP x TP mesh is its two-dimensional case, ``Layout(dp=2, tp=2)``. The axes are
+named once, in :class:`Axis`; every table, group and plan reads them from there.
 
-The ranks form a grid of shape ``(pp, dp, cp, tp)``, the last dimension fastest (chapter 9's
-:func:`mesh_groups`, the pure table of any named grid, is here): tensor-parallel groups are
-neighbouring ranks, the GPUs of one machine on a real cluster, because TP talks in every layer;
-pipeline stages are the farthest apart, because they exchange only one activation per
-micro-batch.
+The ranks form a grid of shape ``(pp, dp, cp, tp)`` (:data:`GRID_AXES`), the last axis fastest:
+tensor-parallel groups are neighbouring ranks, the GPUs of one machine on a real cluster, because
+TP talks in every layer; pipeline stages are the farthest apart, because they exchange only one
+activation per micro-batch.
 
 Expert parallelism does not add a dimension: it **borrows** the ``dp x cp`` ranks, which all hold
 the same dense weights (torchtitan does the same). Number those ranks ``i = dp_index * cp +
@@ -22,72 +23,63 @@ r holding chunks r and 2 cp - 1 - r, when True; cp contiguous blocks when False)
 carries it so that every step that cuts the sequence (the batch, the position embedding, the
 attention) reads it from one place.
 
-Every group a training step needs, from the rank grid:
+Every group a training step needs, one per :class:`Axis`:
 
 ====== ============================================== =======================================
 group  ranks that differ only in                       used for
 ====== ============================================== =======================================
-tp     the TP coordinate                               Megatron TP + SP collectives
-cp     the CP coordinate                               ring attention
 pp     the PP coordinate                               activations and gradients between stages
-dp     the DP coordinate                               (the batch split; shown in tables)
+dp     the DP coordinate                               chapter 9's gradients (13: batch rows)
+cp     the CP coordinate                               ring attention
+tp     the TP coordinate                               Megatron TP + SP collectives
 dp_cp  DP and CP (same ``pp``, ``tp``)                 dense gradients, ZeRO-1 shards
 ep     the EP place inside ``dp_cp``                    all-to-all dispatch and combine
 edp    the EP group inside ``dp_cp``                    expert gradients, their ZeRO-1 shards
 ====== ============================================== =======================================
 
-:meth:`Layout.group_ranks` is the pure table (testable without processes);
+:meth:`Layout.group_ranks` is the pure table (testable without processes; chapter 9 shows its
+grid part, :meth:`Layout.grid_groups`);
 :class:`ProcessGroups` creates the groups this rank belongs to. Each is created with
 ``use_local_synchronization=True``, so only its members call ``dist.new_group``; every rank
-walks the names in the same order, so two ranks of a group always reach it, and a rank list
-that two names share (``dp_cp`` equals ``dp`` when ``cp == 1``) is one group, made once.
+walks the axes in the same order, so two ranks of a group always reach it, and a rank list
+that two axes share (``dp_cp`` equals ``dp`` when ``cp == 1``) is one group, made once.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 
 from dmlbook.comm import gloo_thread
 
-__all__ = ["DEGREES", "GROUP_NAMES", "MESH_DIMS", "Layout", "ProcessGroups", "mesh_groups"]
-
-MESH_DIMS = ("pp", "dp", "cp", "tp")  # the rank grid, slowest to fastest
-GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")  # the order groups are created in
-DEGREES = ("dp", "tp", "pp", "cp", "ep")
+__all__ = ["DEGREE_AXES", "GRID_AXES", "Axis", "Layout", "ProcessGroups"]
 
 
-def _check_shape(shape: Sequence[int], dim_names: Sequence[str]) -> None:
-    if len(shape) != len(dim_names):
-        raise ValueError(
-            f"mesh shape {tuple(shape)} has {len(shape)} dimensions but the names "
-            f"{tuple(dim_names)} are {len(dim_names)}"
-        )
-    if len(set(dim_names)) != len(dim_names):
-        raise ValueError(f"mesh dimension names must differ, got {tuple(dim_names)}")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
-        raise ValueError(f"mesh sizes must be integers >= 1, got {tuple(shape)}")
+class Axis(str, Enum):
+    """The named axes of the rank grid and the groups built from them: each name is spelled here
+    and nowhere else. An axis is its name (``Axis.tp == "tp"``), so tables keyed by axes read and
+    print as plain names."""
+
+    pp = "pp"  # pipeline stages (slowest: one activation per micro-batch crosses it)
+    dp = "dp"  # data parallel: batch rows
+    cp = "cp"  # context parallel: the sequence
+    tp = "tp"  # tensor parallel (+ sequence parallel): fastest, neighbouring ranks
+    dp_cp = "dp_cp"  # dp and cp together: the ranks that hold the same dense weights
+    ep = "ep"  # expert parallel: ep consecutive ranks of dp_cp
+    edp = "edp"  # expert data parallel: the ranks of dp_cp that hold the same experts
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
-def mesh_groups(
-    shape: Sequence[int], dim_names: Sequence[str] = ("dp", "tp")
-) -> dict[str, list[list[int]]]:
-    """For each dimension, the groups of ranks that differ only in that coordinate.
-
-    ``mesh_groups((2, 2))`` is ``{"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}``: rank
-    ``r`` sits at ``(r // 2, r % 2)`` (row-major, the last dimension fastest).
-    """
-    _check_shape(shape, dim_names)
-    grid = torch.arange(math.prod(shape)).reshape(tuple(shape))
-    groups = {}
-    for d, name in enumerate(dim_names):
-        moved = grid.movedim(d, -1).reshape(-1, shape[d])  # one row per group along dimension d
-        groups[name] = [row.tolist() for row in moved]
-    return groups
+GRID_AXES = (Axis.pp, Axis.dp, Axis.cp, Axis.tp)  # the rank grid's shape, slowest to fastest
+DEGREE_AXES = (Axis.dp, Axis.tp, Axis.pp, Axis.cp, Axis.ep)  # Layout's degrees, in its order
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ class Layout:
     zigzag: bool = True  # context parallel: 2 cp chunks, one from each end (False: cp blocks)
 
     def __post_init__(self) -> None:
-        for name in DEGREES:
+        for name in DEGREE_AXES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name} must be an integer >= 1, got {value!r}")
@@ -125,7 +117,7 @@ class Layout:
         return self.pp, self.dp, self.cp, self.tp
 
     def __str__(self) -> str:
-        return " x ".join(f"{n}{getattr(self, n)}" for n in DEGREES)  # the degrees only
+        return " x ".join(f"{n}{getattr(self, n)}" for n in DEGREE_AXES)  # the degrees only
 
     def validate_world(self, world_size: int) -> None:
         """A ValueError unless the degrees multiply to ``world_size``."""
@@ -189,44 +181,57 @@ class Layout:
 
     # ----------------------------------------------------------------------- ranks and places
 
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where ``rank`` sits: ``{"pp", "dp", "cp", "tp", "ep", "edp"}`` (``ep``: its place in
-        its EP group, which decides its experts; ``edp``: which EP group of ``dp_cp`` it is in)."""
+    def coordinates(self, rank: int) -> dict[Axis, int]:
+        """Where ``rank`` sits: its coordinate on each axis of :data:`GRID_AXES`, then ``ep`` (its
+        place in its EP group, which decides its experts) and ``edp`` (which EP group of
+        ``dp_cp`` it is in)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not a rank of layout {self} ({self.world_size})")
-        rest, coords = rank, {}
-        for name, size in zip(reversed(MESH_DIMS), reversed(self.shape), strict=True):
-            rest, coords[name] = divmod(rest, size)
-        i = coords["dp"] * self.cp + coords["cp"]  # place among the dp x cp ranks
-        coords["edp"], coords["ep"] = divmod(i, self.ep)
-        return {n: coords[n] for n in (*MESH_DIMS, "ep", "edp")}
+        place = torch.unravel_index(torch.tensor(rank), self.shape)  # row-major, tp fastest
+        coords = {axis: int(i) for axis, i in zip(GRID_AXES, place, strict=True)}
+        i = coords[Axis.dp] * self.cp + coords[Axis.cp]  # place among the dp x cp ranks
+        edp, ep = divmod(i, self.ep)
+        return {**coords, Axis.ep: ep, Axis.edp: edp}
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The global rank at a place of the grid (row-major, ``tp`` fastest)."""
         rank = 0
-        for name, value, size in zip(MESH_DIMS, (pp, dp, cp, tp), self.shape, strict=True):
+        for axis, value, size in zip(GRID_AXES, (pp, dp, cp, tp), self.shape, strict=True):
             if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is outside 0..{size - 1} in layout {self}")
+                raise ValueError(f"{axis}={value} is outside 0..{size - 1} in layout {self}")
             rank = rank * size + value
         return rank
 
-    def group_ranks(self) -> dict[str, list[list[int]]]:
-        """For every name of :data:`GROUP_NAMES`, every group's global ranks, in group-rank
-        order (a rank's index in its group is its coordinate along that dimension)."""
-        table = mesh_groups(self.shape, MESH_DIMS)
-        table["dp_cp"] = mesh_groups((self.pp, self.dp * self.cp, self.tp), ("pp", "x", "tp"))["x"]
-        split = (self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
-        by_ep = mesh_groups(split, ("pp", "edp", "ep", "tp"))
-        table["ep"], table["edp"] = by_ep["ep"], by_ep["edp"]
-        return {name: table[name] for name in GROUP_NAMES}
+    def grid_groups(self) -> dict[Axis, list[list[int]]]:
+        """For each axis of the grid (:data:`GRID_AXES`), every group's global ranks in
+        group-rank order: the ranks whose coordinates differ only along that axis (a rank's
+        index in its group is its coordinate there). ``Layout(dp=2, tp=2).grid_groups()["tp"]``
+        is ``[[0, 1], [2, 3]]``: rank ``r`` sits at ``(r // 2, r % 2)``."""
+        grid = torch.arange(self.world_size).reshape(self.shape)  # rank r at its place, tp fastest
+        return {  # the axis moved last: each row along it is one group
+            axis: grid.movedim(d, -1).flatten(0, -2).tolist() for d, axis in enumerate(GRID_AXES)
+        }
 
-    def groups_of(self, rank: int) -> dict[str, list[int]]:
+    def group_ranks(self) -> dict[Axis, list[list[int]]]:
+        """For every :class:`Axis`, every group's global ranks, in group-rank order: the grid's
+        axes (:meth:`grid_groups`), then ``dp_cp`` (same ``pp`` and ``tp``), and ``ep`` and
+        ``edp``, which cut each ``dp_cp`` group into EP groups of ``ep`` consecutive ranks."""
+        pp, dp, cp, tp = self.shape
+        by_ep = torch.arange(self.world_size).reshape(pp, dp * cp // self.ep, self.ep, tp)
+        return {
+            **self.grid_groups(),
+            Axis.dp_cp: by_ep.flatten(1, 2).movedim(1, -1).flatten(0, -2).tolist(),
+            Axis.ep: by_ep.movedim(2, -1).flatten(0, -2).tolist(),
+            Axis.edp: by_ep.movedim(1, -1).flatten(0, -2).tolist(),
+        }
+
+    def groups_of(self, rank: int) -> dict[Axis, list[int]]:
         """The ranks of each of ``rank``'s groups."""
-        return {n: next(g for g in gs if rank in g) for n, gs in self.group_ranks().items()}
+        return {a: next(g for g in gs if rank in g) for a, gs in self.group_ranks().items()}
 
 
 class ProcessGroups:
-    """This rank's process group along every name of :data:`GROUP_NAMES`, for ``layout``.
+    """This rank's process group along every :class:`Axis` of ``layout``.
 
     ``groups.tp`` is the TP group (a real group even of size 1, never ``None``, which torch
     reads as the whole world); ``groups.coords`` the rank's place; ``groups.ranks["tp"]`` the
@@ -245,19 +250,23 @@ class ProcessGroups:
         self.coords = layout.coordinates(rank)
         self.ranks = layout.groups_of(rank)
         made: dict[tuple[int, ...], object] = {} if cache is None else cache
-        for name in GROUP_NAMES:  # the same order on every rank
-            key = tuple(self.ranks[name])
+        for axis in Axis:  # the same order on every rank
+            key = tuple(self.ranks[axis])
             if key not in made:
                 made[key] = (
                     dist.new_group(list(key), use_local_synchronization=True)
                     if (world > 1)
                     else None
                 )
-            setattr(self, name, made[key])
+            setattr(self, axis.value, made[key])
         gloo_thread.follow_env()  # the new groups' transport threads, as the world's
 
-    def size(self, name: str) -> int:
-        return len(self.ranks[name])
+    def size(self, axis: str) -> int:
+        """How many ranks this rank's group along ``axis`` has (a ValueError naming an axis
+        that is not one)."""
+        if axis not in set(Axis):
+            raise ValueError(f"no axis {axis!r}; the axes are {[a.value for a in Axis]}")
+        return len(self.ranks[axis])
 
     def __repr__(self) -> str:
         return f"ProcessGroups({self.layout}; rank {self.rank} at {self.coords})"

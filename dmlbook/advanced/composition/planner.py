@@ -27,17 +27,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from dmlbook.advanced.composition.layout import Layout
-from dmlbook.advanced.context_parallel.styles import cp_layout
+from dmlbook.advanced.composition.layout import DEGREE_AXES, Axis, Layout
+from dmlbook.advanced.context_parallel.styles import cp_chunks
 from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
 from dmlbook.advanced.zero.sharded_optimizer import partition_parameters
 from dmlbook.comm.costmodel import Link
+from dmlbook.model_parallel.memory.spec import ADAM_STEP_BYTES, INDEX_BYTES
 from dmlbook.model_parallel.pipeline import even_partition
 
 __all__ = [
-    "DIMENSIONS",
     "Network",
-    "Traffic",
+    "PredictedTraffic",
     "Workload",
     "holdings",
     "layouts_of",
@@ -52,10 +52,6 @@ __all__ = [
     "step_flops",
     "step_time",
 ]
-
-DIMENSIONS = ("dp", "tp", "pp", "cp", "ep")
-ADAM_STEP_BYTES = 4  # torch's AdamW keeps its step count as a float32 scalar per parameter
-INDEX_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -106,7 +102,7 @@ def stage_layers(work: Workload, pp: int) -> list[list[str]]:
     return out
 
 
-def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
+def holdings(work: Workload, layout: Layout, rank: int, dims=DEGREE_AXES) -> str:
     """What ``rank`` holds along each of ``dims``, in a few words (for pictures and tables):
     its layers, batch rows, attention heads, sequence positions and experts."""
     c, lines = layout.coordinates(rank), []
@@ -121,7 +117,7 @@ def holdings(work: Workload, layout: Layout, rank: int, dims=DIMENSIONS) -> str:
         heads = work.n_head // layout.tp
         lines.append(f"heads {c['tp'] * heads}-{(c['tp'] + 1) * heads - 1}")
     if "cp" in dims:
-        chunks = cp_layout(work.seq // layout.cp, layout.cp, layout.zigzag)[c["cp"]]
+        chunks = cp_chunks(work.seq // layout.cp, layout.cp, layout.zigzag)[c["cp"]]
         lines.append("tokens " + ",".join(f"{a}-{b - 1}" for a, b in chunks))
     if "ep" in dims and work.n_experts:
         per = work.n_experts // layout.ep
@@ -220,11 +216,13 @@ def _saved(work: Workload, layout: Layout, layer: str) -> int:
 
 
 @dataclass
-class Traffic:
-    """Bytes a rank sends in one step per dimension, and its messages (critical-path steps)."""
+class PredictedTraffic:
+    """Bytes a rank is predicted to send in one step per axis of :data:`~dmlbook.advanced.
+    composition.layout.DEGREE_AXES` (``dp`` counts the whole ``dp_cp`` gradient sync), and its
+    messages (critical-path steps)."""
 
-    sent: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIMENSIONS, 0.0))
-    messages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIMENSIONS, 0))
+    sent: dict[Axis, float] = field(default_factory=lambda: dict.fromkeys(DEGREE_AXES, 0.0))
+    messages: dict[Axis, int] = field(default_factory=lambda: dict.fromkeys(DEGREE_AXES, 0))
 
     def add(self, dim: str, kind: str, n: int, nbytes: float, calls: int = 1) -> None:
         """``calls`` ring collectives (``kind``: "ag", "rs", "ar") over ``n`` ranks of a tensor
@@ -237,7 +235,7 @@ class Traffic:
         self.messages[dim] += calls * steps
 
 
-def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
+def predict_traffic(work: Workload, layout: Layout, rank: int) -> PredictedTraffic:
     """What ``rank`` sends in one step of
     :func:`~dmlbook.advanced.composition.training.train_composed`."""
     coords = layout.coordinates(rank)
@@ -245,9 +243,10 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
     b = work.batch // (layout.dp * m)
     s = work.seq // cp
     whole = b * s * c * e  # (b, s, C): the CP rank's activations of one micro-batch
-    check = 4 * INDEX_BYTES * t  # an SP shape check: every TP rank's (ndim, B, T, C)
+    check = 4 * INDEX_BYTES * t  # a reduce-scatter's whole-shape check: every TP rank's (ndim,
+    # B, T, C); the other collectives' checks ride in their own headers, not counted as messages
     layers = stage_layers(work, layout.pp)[coords["pp"]]
-    out = Traffic()
+    out = PredictedTraffic()
     for layer in layers:  # per micro-batch, then times m
         if layer == "embed":
             out.add("tp", "ar", t, whole, m)  # vocabulary-parallel lookup, forward
@@ -257,7 +256,6 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "ag", t, whole, 2 * m)  # lm_head: all-gather forward and backward
             out.add("tp", "rs", t, whole, m)  # ... and its input's gradient
             out.add("tp", "ar", t, 3 * b * s * e, m)  # the split loss: max, sum of exp, target
-            out.add("tp", "ag", t, check, m)  # lm_head's sequence all-gather: its shape check
         else:
             linears = 2 if work.n_experts else 4  # an MoE is not split by TP
             out.add("tp", "ag", t, whole, linears // 2 * 2 * m)  # column: fwd, bwd again
@@ -265,7 +263,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
             out.add("tp", "rs", t, whole, linears // 2 * m)  # row: forward
             out.add("tp", "ag", t, whole, linears // 2 * m)  # row: backward
             out.add("tp", "ar", t, c * e, (4 + linears // 2) * m)  # LayerNorms, row biases
-            out.add("tp", "ag", t, check, linears * m)  # each forward SP collective's check
+            out.add("tp", "ag", t, check, linears // 2 * m)  # each forward reduce-scatter's
             if work.n_experts:  # MoE weights see only SP tokens: gradients summed over TP
                 moe = [n for n, _ in _parameters(work, layout, "block")[8:]]
                 for n in moe:
@@ -286,7 +284,7 @@ def predict_traffic(work: Workload, layout: Layout, rank: int) -> Traffic:
     return out
 
 
-def _experts(out: Traffic, work: Workload, layout: Layout, tokens: int) -> None:
+def _experts(out: PredictedTraffic, work: Workload, layout: Layout, tokens: int) -> None:
     """Dispatch and combine, forward and backward, of ``tokens`` x k rows under an even
     spread, and the counts exchanged before each dispatch."""
     ep, m, c, e = layout.ep, work.microbatches, work.n_embd, work.element_size
@@ -331,8 +329,8 @@ def step_time(work: Workload, layout: Layout, network: Network) -> dict[str, flo
     worst: dict[str, float] = {}
     for rank in range(layout.world_size):
         traffic, groups = predict_traffic(work, layout, rank), layout.groups_of(rank)
-        for dim in DIMENSIONS:
-            group = groups["dp_cp" if dim == "dp" else dim]
+        for dim in DEGREE_AXES:
+            group = groups[Axis.dp_cp if dim == Axis.dp else dim]
             link = network.link(group)
             secs = traffic.messages[dim] * link.alpha + traffic.sent[dim] * link.beta
             worst[dim] = max(worst.get(dim, 0.0), secs)
@@ -367,7 +365,7 @@ def parse_layout(text: str) -> Layout:
     sizes = {}
     for part in text.replace(" x ", ".").split("."):
         name, value = part[:2], part[2:]
-        if name not in DIMENSIONS or not value.isdigit():
+        if name not in DEGREE_AXES or not value.isdigit():
             raise ValueError(f"cannot read {part!r} of {text!r}: write e.g. dp2.tp2.pp2")
         sizes[name] = int(value)
     return Layout(**sizes)

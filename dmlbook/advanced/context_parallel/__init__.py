@@ -6,9 +6,7 @@
 * :mod:`~dmlbook.advanced.context_parallel.styles`: the plan styles that make an unmodified
   char-GPT's position embedding and attention context-parallel.
 
-``from dmlbook.advanced import context_parallel`` gives the names of ``ring``, as the one-file
-module did (its chunk-list alias ``Layout`` is now :data:`RankChunks`: ``Layout`` is chapter 13's
-degrees class, :class:`dmlbook.advanced.composition.layout.Layout`).
+``from dmlbook.advanced import context_parallel`` gives the names of ``ring``.
 """
 
 from dmlbook.advanced.context_parallel.ring import (
@@ -17,13 +15,13 @@ from dmlbook.advanced.context_parallel.ring import (
     all_gather_attention,
     attention_work,
     block_attention,
-    contiguous_layout,
+    contiguous_chunks,
     counting_work,
     merge,
     ring_attention,
     split,
     unsplit,
-    zigzag_layout,
+    zigzag_chunks,
     zigzag_split,
     zigzag_unsplit,
 )
@@ -34,20 +32,13 @@ __all__ = [
     "all_gather_attention",
     "attention_work",
     "block_attention",
-    "contiguous_layout",
+    "contiguous_chunks",
     "counting_work",
     "merge",
     "ring_attention",
     "split",
     "unsplit",
-    "zigzag_layout",
+    "zigzag_chunks",
     "zigzag_split",
     "zigzag_unsplit",
 ]
-
-
-def __getattr__(name: str):
-    """The one-file module's ``Layout`` (a chunk list) is :data:`RankChunks` now."""
-    if name == "Layout":
-        return RankChunks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,12 +18,13 @@ the sequence on each rank, q, k and v alike, and moves the keys and values inste
   messages; the same arithmetic.
 
 Causal attention makes the work uneven: with the sequence cut into p contiguous blocks
-(:func:`contiguous_layout`), the last rank's queries see every key and the first rank's only its
-own. The **zigzag** layout (:func:`zigzag_layout`) cuts the sequence into 2p chunks and gives
+(:func:`contiguous_chunks`), the last rank's queries see every key and the first rank's only its
+own. The **zigzag** split (:func:`zigzag_chunks`) cuts the sequence into 2p chunks and gives
 rank r chunks r and 2p-1-r, one from each end, so every rank computes the same number of
-scores. A layout is data: for each rank, its ``[start, stop)`` chunks of the sequence in order;
-:func:`split` and :func:`unsplit` move a tensor into and out of it; :func:`attention_work`
-predicts each rank's scores from the layout, and every block computed is recorded as an
+scores. A split is data, a :data:`RankChunks` list: for each rank, its ``[start, stop)`` chunks
+of the sequence in order; :func:`split` and :func:`unsplit` move a tensor into and out of it;
+:func:`attention_work` predicts each rank's scores from the chunks, and every block computed is
+recorded as an
 :class:`AttentionBlock` (``with counting_work() as blocks:``), so the notebook can measure the
 work before and after balancing.
 
@@ -55,38 +56,37 @@ __all__ = [
     "all_gather_attention",
     "attention_work",
     "block_attention",
-    "contiguous_layout",
+    "contiguous_chunks",
     "counting_work",
     "merge",
     "ring_attention",
     "split",
     "unsplit",
-    "zigzag_layout",
+    "zigzag_chunks",
     "zigzag_split",
     "zigzag_unsplit",
 ]
 
 Chunk = tuple[int, int]  # [start, stop) positions of the sequence
 RankChunks = list[list[Chunk]]  # chunks[rank]: that rank's chunks, in the order it holds them
-# (not chapter 13's degrees class, dmlbook.advanced.composition.layout.Layout)
 
-# --------------------------------------------------------------------------- layouts
+# --------------------------------------------------------------------------- chunk lists
 
 
-def contiguous_layout(seq_len: int, world_size: int) -> RankChunks:
+def contiguous_chunks(seq_len: int, world_size: int) -> RankChunks:
     """p contiguous blocks, near-equal when ``seq_len`` does not divide (the first ones longer)."""
     return [[block] for block in balanced_blocks(seq_len, world_size)]
 
 
-def zigzag_layout(seq_len: int, world_size: int) -> RankChunks:
+def zigzag_chunks(seq_len: int, world_size: int) -> RankChunks:
     """2p equal chunks; rank r holds chunks r and 2p-1-r, one from each end of the sequence, so
     that every rank's queries see the same number of causal keys (the load-balanced split)."""
     parts = 2 * world_size
     if seq_len % parts:
         raise ValueError(
-            f"the zigzag layout needs the sequence length divisible by 2 x world size: "
+            f"the zigzag chunks need the sequence length divisible by 2 x world size: "
             f"sequence length={seq_len} is not divisible by {parts} (pad the sequence, or use "
-            "contiguous_layout)"
+            "contiguous_chunks)"
         )
     c = seq_len // parts
     return [
@@ -98,17 +98,17 @@ def _length(chunks: Sequence[Chunk]) -> int:
     return sum(stop - start for start, stop in chunks)
 
 
-def split(x: torch.Tensor, layout: RankChunks, rank: int, dim: int = -2) -> torch.Tensor:
+def split(x: torch.Tensor, chunks: RankChunks, rank: int, dim: int = -2) -> torch.Tensor:
     """Rank's positions of ``x`` (the whole sequence along ``dim``), its chunks side by side."""
-    return torch.cat([x.narrow(dim, a, b - a) for a, b in layout[rank]], dim=dim)
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in chunks[rank]], dim=dim)
 
 
-def unsplit(pieces: Sequence[torch.Tensor], layout: RankChunks, dim: int = -2) -> torch.Tensor:
+def unsplit(pieces: Sequence[torch.Tensor], chunks: RankChunks, dim: int = -2) -> torch.Tensor:
     """The whole sequence from every rank's piece (``pieces[r]`` as :func:`split` gave it)."""
     parts = []
-    for piece, chunks in zip(pieces, layout, strict=True):
+    for piece, mine in zip(pieces, chunks, strict=True):
         offset = 0
-        for a, b in chunks:
+        for a, b in mine:
             parts.append((a, piece.narrow(dim, offset, b - a)))
             offset += b - a
     return torch.cat([p for _, p in sorted(parts, key=lambda ap: ap[0])], dim=dim)
@@ -116,13 +116,13 @@ def unsplit(pieces: Sequence[torch.Tensor], layout: RankChunks, dim: int = -2) -
 
 def zigzag_split(x: torch.Tensor, rank: int, world_size: int, dim: int = -2) -> torch.Tensor:
     """Rank's two zigzag chunks of ``x`` along ``dim``."""
-    return split(x, zigzag_layout(x.shape[dim], world_size), rank, dim)
+    return split(x, zigzag_chunks(x.shape[dim], world_size), rank, dim)
 
 
 def zigzag_unsplit(pieces: Sequence[torch.Tensor], dim: int = -2) -> torch.Tensor:
     """The whole sequence from every rank's zigzag piece."""
     seq_len = sum(p.shape[dim] for p in pieces)
-    return unsplit(pieces, zigzag_layout(seq_len, len(pieces)), dim)
+    return unsplit(pieces, zigzag_chunks(seq_len, len(pieces)), dim)
 
 
 # --------------------------------------------------------------------------- work
@@ -147,18 +147,18 @@ def _future(q_chunk: Chunk, k_chunk: Chunk) -> bool:
     return k_chunk[0] >= q_chunk[1]
 
 
-def attention_work(layout: RankChunks, causal: bool = True) -> list[int]:
+def attention_work(chunks: RankChunks, causal: bool = True) -> list[int]:
     """Score elements each rank computes (per batch row and head): its query chunks against
     every key chunk, skipping the blocks wholly in the future."""
-    every_chunk = [c for chunks in layout for c in chunks]
+    every_chunk = [c for mine in chunks for c in mine]
     return [
         sum(
             (q[1] - q[0]) * (k[1] - k[0])
-            for q in chunks
+            for q in mine
             for k in every_chunk
             if q[1] > q[0] and k[1] > k[0] and not (causal and _future(q, k))
         )
-        for chunks in layout
+        for mine in chunks
     ]
 
 
@@ -225,12 +225,12 @@ class _Accumulator:
 # --------------------------------------------------------------------------- communication
 
 
-def _check(name: str, q, k, v, layout: RankChunks, group) -> tuple[int, int]:
+def _check(name: str, q, k, v, chunks: RankChunks, group) -> tuple[int, int]:
     """Local shapes first, then one all-gather of (B, H, positions, D, dtype): every rank raises
     the same ValueError when the ranks disagree, instead of waiting for a block that never comes."""
     rank, world = group_rank_size(group)
-    if len(layout) != world:
-        raise ValueError(f"{name}: the layout has {len(layout)} ranks, the group {world}")
+    if len(chunks) != world:
+        raise ValueError(f"{name}: the chunks are for {len(chunks)} ranks, the group has {world}")
     if not (q.dim() == k.dim() == v.dim() == 4) or not (q.shape == k.shape == v.shape):
         raise ValueError(
             f"{name}: q, k and v must be (batch, heads, positions, head dim) of one shape, got "
@@ -240,10 +240,10 @@ def _check(name: str, q, k, v, layout: RankChunks, group) -> tuple[int, int]:
     rows = exchange_sizes([*q.shape, q.element_size()], group, q.device)
     problems = []
     for d, dim_name in enumerate(names):
-        expected = [_length(c) for c in layout] if d == 2 else [rows[0][d]] * world
+        expected = [_length(c) for c in chunks] if d == 2 else [rows[0][d]] * world
         if [row[d] for row in rows] != expected:
             found = ", ".join(f"rank {r}: {row[d]}" for r, row in enumerate(rows))
-            want = f" (the layout gives {expected})" if d == 2 else ""
+            want = f" (the chunks give {expected})" if d == 2 else ""
             problems.append(f"ranks disagree on {dim_name}: {found}{want}")
     if len({row[4] for row in rows}) > 1:
         problems.append("ranks pass different dtypes")
@@ -310,21 +310,21 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: RankChunks,
+    chunks: RankChunks,
     group=None,
     causal: bool = True,
 ) -> torch.Tensor:
     """Attention of this rank's queries to the whole sequence's keys, the K/V blocks passed
-    round the ring. q, k, v are ``(B, H, t, D)``: this rank's positions in ``layout``; so is the
-    output. Equal to ``scaled_dot_product_attention`` on the whole sequence, split by layout."""
-    rank, world = _check("ring_attention", q, k, v, layout, group)
-    acc = _Accumulator(q, layout[rank], causal)
+    round the ring. q, k, v are ``(B, H, t, D)``: this rank's positions in ``chunks``; so is the
+    output. Equal to ``scaled_dot_product_attention`` on the whole sequence, split by chunks."""
+    rank, world = _check("ring_attention", q, k, v, chunks, group)
+    acc = _Accumulator(q, chunks[rank], causal)
     kv = torch.stack([k, v])  # (2, B, H, t, D): one message per step instead of two
     for step in range(world):
         holder = (rank - step) % world  # whose block this rank holds at this step
-        acc.attend(kv[0], kv[1], layout[holder])  # compute
+        acc.attend(kv[0], kv[1], chunks[holder])  # compute
         if step < world - 1:  # communication: pass the block on, take the previous rank's
-            incoming = (*kv.shape[:3], _length(layout[(holder - 1) % world]), kv.shape[-1])
+            incoming = (*kv.shape[:3], _length(chunks[(holder - 1) % world]), kv.shape[-1])
             kv = _RingPass.apply(kv, incoming, group)
     return acc.output(received=kv)
 
@@ -333,15 +333,15 @@ def all_gather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: RankChunks,
+    chunks: RankChunks,
     group=None,
     causal: bool = True,
 ) -> torch.Tensor:
     """:func:`ring_attention`'s arithmetic after one all-gather of every rank's K/V (padded to
-    the longest block, as the layout may be uneven)."""
-    rank, world = _check("all_gather_attention", q, k, v, layout, group)
-    acc = _Accumulator(q, layout[rank], causal)
-    longest = max(_length(c) for c in layout)
+    the longest block, as the chunks may be uneven)."""
+    rank, world = _check("all_gather_attention", q, k, v, chunks, group)
+    acc = _Accumulator(q, chunks[rank], causal)
+    longest = max(_length(c) for c in chunks)
     kv = torch.stack([k, v])  # (2, B, H, t, D)
     if world > 1:  # communication: every rank's block, padded to the longest
         pad = kv.new_zeros(*kv.shape[:3], longest - kv.shape[-2], kv.shape[-1])
@@ -350,6 +350,6 @@ def all_gather_attention(
         blocks = kv.unsqueeze(0)
     for step in range(world):  # compute, in the ring's order so that the sums round alike
         src = (rank - step) % world
-        block = blocks[src][..., : _length(layout[src]), :]
-        acc.attend(block[0], block[1], layout[src])
+        block = blocks[src][..., : _length(chunks[src]), :]
+        acc.attend(block[0], block[1], chunks[src])
     return acc.output(received=blocks)

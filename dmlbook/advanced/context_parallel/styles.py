@@ -7,7 +7,7 @@ exactly those two:
 
 * :class:`ContextParallelPositions` on ``wpe``: the model asks for positions ``0 .. t-1`` of the
   ``t`` tokens it holds; this rank's tokens sit at other places of the whole sequence (two
-  chunks, one from each end, with the zigzag layout), so the lookup is redirected to the global
+  chunks, one from each end, with the zigzag chunks), so the lookup is redirected to the global
   positions of this rank's chunks;
 * :class:`ContextParallelAttention` on ``blocks.*.attn``: q, k and v come from the attention's
   own ``c_attn`` (plain, or chapter 9's tensor-parallel one, or the sequence-parallel one that
@@ -29,9 +29,9 @@ from torch import nn
 
 from dmlbook.advanced.context_parallel.ring import (
     RankChunks,
-    contiguous_layout,
+    contiguous_chunks,
     ring_attention,
-    zigzag_layout,
+    zigzag_chunks,
 )
 from dmlbook.advanced.tensor_parallel import ParallelSelfAttention
 from dmlbook.comm.groups import group_rank_size
@@ -42,20 +42,21 @@ __all__ = [
     "ContextParallel",
     "ContextParallelAttention",
     "ContextParallelPositions",
-    "cp_layout",
+    "cp_chunks",
     "local_positions",
 ]
 
 
-def cp_layout(local_len: int, cp_size: int, zigzag: bool = True) -> RankChunks:
-    """The layout of a sequence of ``local_len * cp_size`` tokens over ``cp_size`` ranks."""
-    make = zigzag_layout if zigzag else contiguous_layout
+def cp_chunks(local_len: int, cp_size: int, zigzag: bool = True) -> RankChunks:
+    """Each CP rank's chunks of a sequence of ``local_len * cp_size`` tokens over ``cp_size``
+    ranks: two from opposite ends (``zigzag``), or one contiguous block."""
+    make = zigzag_chunks if zigzag else contiguous_chunks
     return make(local_len * cp_size, cp_size)
 
 
 def local_positions(local_len: int, cp_rank: int, cp_size: int, zigzag: bool = True):
     """The global positions of the ``local_len`` tokens that CP rank ``cp_rank`` holds."""
-    chunks = cp_layout(local_len, cp_size, zigzag)[cp_rank]
+    chunks = cp_chunks(local_len, cp_size, zigzag)[cp_rank]
     return torch.cat([torch.arange(a, b) for a, b in chunks])
 
 
@@ -87,7 +88,7 @@ class ContextParallelAttention(nn.Module):
         hs = self.inner.head_size
         q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         _, size = group_rank_size(self.group)
-        chunks = cp_layout(T, size, self.zigzag)  # each CP rank's [start, stop) chunks
+        chunks = cp_chunks(T, size, self.zigzag)  # each CP rank's [start, stop) chunks
         y = ring_attention(q, k, v, chunks, self.group)  # (B, nh, T_local, hs): compute + comm
         return self.inner.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T_local, C)
 

@@ -20,14 +20,21 @@ through this one module, in layers as in Megatron's ``mappings.py``:
   :func:`gather_from_sequence_parallel` (all-gather; reduce-scatter backward) and
   :func:`reduce_scatter_to_sequence_parallel` (reduce-scatter; all-gather backward).
 
-The sequence collectives check shapes first, as ring attention and expert parallelism do: one
-all-gather of every rank's ``(B, T, C)`` (:func:`check_same_sequence_split`), so that a sequence
-split differently on two ranks is the same ValueError on every rank instead of a gloo abort. The
-check runs in forward only: backward's shapes follow from forward's. Its cost, measured on this
-project's 2-core CPU over gloo (loopback, a busy machine, medians of 300 calls): about 0.4 ms a
-check at 2 ranks, one all-gather of four integers, which doubles an all-gather of a chapter-13-
-sized block and vanishes in the noise for an 8 MB one; a whole TP + SP training step of a 2-block
-char-GPT (9 checks a forward) took 2-12% longer with the checks at 2 and 3 ranks.
+Every collective here, forward and backward, first checks that every rank of the group brought
+the same shape and dtype: chapter 2's own check (:mod:`dmlbook.comm.shapecheck`, what
+:mod:`dmlbook.comm.collectives` runs unless told ``check=False``), so that mismatched inputs (a
+batch of 2 on one rank and 3 on another) are the same ValueError on every rank, naming each
+rank's shape and saying which operator and pass found it, instead of a gloo abort. The ring
+all-reduce carries that check inside its first message, at no extra latency; an all-gather and
+a reduce-scatter send it first, alone, one message to every peer. The reduce-scatter along the
+sequence checks the whole ``(B, T, C)`` before cutting it into blocks, since a length that does
+not divide on one rank only would otherwise fail there alone (:func:`check_same_sequence_split`).
+A backward collective skips the check (``check=False``) only where forward's collective already
+checked the same shape: a gradient has its tensor's shape and dtype. What is left, measured by
+``python -m dmlbook.bench tp-check`` on this project's busy 2-core CPU (gloo, loopback, 2 ranks,
+a 2-block char-GPT under TP + SP, 41 collectives a step of which 14 send their check in messages
+of their own), medians of paired steps: 3-3.5 ms a step (+17-21%) for a chapter-13-sized model,
+9-12 ms (+10-13%) for one 4x wider on a 4x longer sequence.
 
 All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
@@ -36,7 +43,8 @@ tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,12 +99,22 @@ def _note(op: str, direction: str, t: torch.Tensor, size: int) -> None:
     trace.record(CommRecord(op, direction, t.numel(), t.numel() * t.element_size(), size))
 
 
+@contextmanager
+def _found_by(name: str, direction: str) -> Iterator[None]:
+    """The shape check's ValueError (the same on every rank), told as this operator's."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"{name} ({direction}): {error}") from None
+
+
 def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     _, size = group_rank_size(group)
     t = t.contiguous().clone()
     if size > 1:
         _note("all_reduce", direction, t, size)
-        collectives.all_reduce(t, op=op, group=group, check=False)
+        with _found_by("tensor-parallel all-reduce", direction):
+            collectives.all_reduce(t, op=op, group=group)  # communication; shapes checked first
     return t
 
 
@@ -107,7 +125,8 @@ def _all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
     t = t.contiguous()
     _note("all_gather", direction, t, size)
     pieces = [torch.empty_like(t) for _ in range(size)]
-    collectives.all_gather(pieces, t, group=group, check=False)
+    with _found_by("tensor-parallel all-gather", direction):
+        collectives.all_gather(pieces, t, group=group)  # communication; shapes checked first
     return torch.cat(pieces, dim=-1)
 
 
@@ -125,46 +144,60 @@ def _sequence_block(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def check_same_sequence_split(name: str, t: torch.Tensor, group) -> None:
-    """One all-gather of every rank's shape: the same ValueError on every rank, naming each
-    rank's shape, when they differ (gloo would abort the process on mismatched sizes)."""
+    """One all-gather of every rank's ``(B, T, C)``: the same ValueError on every rank, naming each
+    rank's shape, when they differ. What a reduce-scatter along the sequence runs before cutting
+    its input into blocks, so that a length that divides on one rank only fails on every rank."""
     _, size = group_rank_size(group)
     if size == 1:
         return
     rows = exchange_sizes([t.dim(), *t.shape], group, t.device)  # communication: a few ints
     if any(row != rows[0] for row in rows):
-        found = ", ".join(f"rank {r}: {tuple(row[1:])}" for r, row in enumerate(rows))
+        shapes = [f"rank {_global(group, r)}: {tuple(row[1:])}" for r, row in enumerate(rows)]
+        found = ", ".join(shapes)
         raise ValueError(
             f"{name}: the ranks' activations must have one shape (B, T, C), the sequence split "
             f"the same way on every rank; got {found}"
         )
 
 
-def _all_gather_sequence(t: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """Every rank's sequence block, concatenated: (B, T / t, C) -> (B, T, C)."""
+def _global(group, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _all_gather_sequence(
+    t: torch.Tensor, group, direction: str, check: bool = True
+) -> torch.Tensor:
+    """Every rank's sequence block, concatenated: (B, T / t, C) -> (B, T, C). ``check=False``
+    only where forward already checked this very shape (a gradient has its tensor's shape)."""
     _, size = group_rank_size(group)
     if size == 1:
         return t
     t = t.contiguous()
-    if direction == "forward":
-        check_same_sequence_split("sequence-parallel all-gather", t, group)
     _note("all_gather", direction, t, size)
     pieces = [torch.empty_like(t) for _ in range(size)]
-    collectives.all_gather(pieces, t, group=group, check=False)  # shapes checked above
+    with _found_by("sequence-parallel all-gather", direction):
+        collectives.all_gather(pieces, t, group=group, check=check)  # communication
     return torch.cat(pieces, dim=SEQ_DIM)
 
 
-def _reduce_scatter_sequence(t: torch.Tensor, group, direction: str) -> torch.Tensor:
-    """The sum over the ranks of this rank's sequence block: (B, T, C) -> (B, T / t, C)."""
+def _reduce_scatter_sequence(
+    t: torch.Tensor, group, direction: str, check: bool = True
+) -> torch.Tensor:
+    """The sum over the ranks of this rank's sequence block: (B, T, C) -> (B, T / t, C).
+    ``check=False`` only where forward already checked this very shape."""
     rank, size = group_rank_size(group)
     if size == 1:
         return t
-    if direction == "forward":  # every rank's shape first, so a bad split fails on all of them
-        check_same_sequence_split("sequence-parallel reduce-scatter", t, group)
+    if check:  # the whole shape first, so that a length that divides on one rank fails on all
+        check_same_sequence_split(f"sequence-parallel reduce-scatter ({direction})", t, group)
     even_block(t.shape[SEQ_DIM], rank=rank, world_size=size, what="sequence length")
     blocks = [b.contiguous() for b in t.chunk(size, dim=SEQ_DIM)]
     _note("reduce_scatter", direction, t, size)
     out = torch.empty_like(blocks[rank])
-    collectives.reduce_scatter(out, blocks, group=group, check=False)  # shapes checked above
+    with _found_by("sequence-parallel reduce-scatter", direction):
+        collectives.reduce_scatter(out, blocks, group=group, check=check)  # communication
     return out
 
 
@@ -275,7 +308,9 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group, "backward"), None
+        # grad has forward's output shape and dtype (autograd sees to it), checked equal on
+        # every rank by forward's all-gather: a second check would find nothing
+        return _reduce_scatter_sequence(grad, ctx.group, "backward", check=False), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -288,7 +323,8 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group, "backward"), None
+        # grad has forward's output shape and dtype, checked by forward's reduce-scatter
+        return _all_gather_sequence(grad, ctx.group, "backward", check=False), None
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -54,13 +54,12 @@ from dmlbook.advanced.composition.plan import (
 )
 from dmlbook.advanced.tensor_parallel.comm import (
     _all_gather_sequence,
-    _note,
+    _all_reduce,
     _reduce_scatter_sequence,
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
 )
-from dmlbook.comm import collectives
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.model_parallel.memory.estimate import block_saved_terms
 from dmlbook.model_parallel.recompute import SavedTensorMeter
@@ -103,9 +102,12 @@ class AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        whole = _all_gather_sequence(x, ctx.group, "backward")  # communication: the sequence again
+        # x is the block forward's all-gather checked on every rank, and grad_whole has its
+        # gathered shape and dtype: no check to repeat (check=False)
+        whole = _all_gather_sequence(x, ctx.group, "backward", check=False)  # the sequence again
         grad_whole = grad @ weight  # (B, T, C): this rank's columns' share of the input grad
-        grad_x = _reduce_scatter_sequence(grad_whole, ctx.group, "backward")  # my tokens, summed
+        # communication: my tokens' input gradient, summed over the ranks
+        grad_x = _reduce_scatter_sequence(grad_whole, ctx.group, "backward", check=False)
         grad_w = grad.flatten(0, -2).t() @ whole.flatten(0, -2)  # (out / t, C)
         grad_b = grad.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
@@ -174,15 +176,8 @@ def _sum_gradients_over(module: nn.Module, group) -> None:
     _, size = group_rank_size(group)
     if size == 1:
         return
-
-    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        _note("all_reduce", "backward", grad, size)
-        collectives.all_reduce(grad, group=group, check=False)  # communication
-        return grad
-
     for p in module.parameters(recurse=True):
-        p.register_hook(all_reduce)
+        p.register_hook(lambda grad: _all_reduce(grad, group, "backward"))  # communication
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,8 @@ from dmlbook.model_parallel.memory.spec import (
     PRECISIONS,
     PRESETS,
     TransformerSpec,
-    count_parameters,
     spec_of,
+    spec_parameters,
     state_bytes_per_parameter,
 )
 
@@ -104,7 +104,6 @@ __all__ = [
     "PRESETS",
     "TransformerSpec",
     "block_saved_terms",
-    "count_parameters",
     "cpu_peak_bytes",
     "estimate",
     "estimate_stages",
@@ -120,5 +119,6 @@ __all__ = [
     "memory_timeline",
     "onednn_disabled",
     "spec_of",
+    "spec_parameters",
     "state_bytes_per_parameter",
 ]

@@ -190,8 +190,10 @@ def _head_params(spec: TransformerSpec) -> _Params:
     return _total(_linear(spec, h, h), _norm(spec), out, bias)  # transform, LayerNorm, decoder
 
 
-def count_parameters(spec: TransformerSpec) -> int:
-    """Parameters of the whole model (tied weights counted once)."""
+def spec_parameters(spec: TransformerSpec) -> int:
+    """Parameters of the whole model ``spec`` describes (tied weights counted once), in closed
+    form from its sizes, without building it; :func:`dmlbook.models.count_parameters` counts a
+    built model's."""
     return sum(p.numel for p in _layer_params(spec))
 
 

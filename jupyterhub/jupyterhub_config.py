@@ -6,7 +6,7 @@ local process running as that learner, with the book copied into ~/book on start
 database and cookie secret are written to the working folder)::
 
     cd /srv/jupyterhub
-    /opt/dmlbook/.venv/bin/jupyterhub -f /opt/dmlbook/classroom/jupyterhub_config.py
+    /opt/dmlbook/.venv/bin/jupyterhub -f /opt/dmlbook/jupyterhub/jupyterhub_config.py
 
 The tests load this file and override only what a test must (sign-in, spawner, ports, folders):
 tests/test_hub.py.
@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 c.JupyterHub.bind_url = "http://127.0.0.1:8000"
 c.JupyterHub.hub_bind_url = "http://127.0.0.1:8081"  # the hub's own API, for the proxy and servers
 
-# -- the proxy: configurable-http-proxy from npm, installed into classroom/node_modules by
-# `make classroom-proxy` (not global); the hub starts and stops it.
+# -- the proxy: configurable-http-proxy from npm, installed into jupyterhub/node_modules by
+# `make jupyterhub-proxy` (not global); the hub starts and stops it.
 _proxy = HERE / "node_modules" / ".bin" / "configurable-http-proxy"
 if _proxy.exists():
     c.ConfigurableHTTPProxy.command = [str(_proxy)]
@@ -38,10 +38,10 @@ c.PAMAuthenticator.allowed_groups = {"dmlbook"}
 c.PAMAuthenticator.admin_groups = {"dmlbook-staff"}
 
 # -- each learner's server: a local process, as the learner, in their home.
-# learner_server.py copies the book (`python -m dmlbook.book copy ~/book`, which never writes over
-# a notebook the learner has edited) and then becomes jupyterhub-singleuser, so the copy runs as the
-# learner and within the learner's limits. It runs with this hub's Python: install the project
-# where every learner can read it (e.g. /opt/dmlbook).
+# learner_server.py copies the book (`python -m dmlbook.classroom copy-book ~/book`, which never
+# writes over a notebook the learner has edited) and then becomes jupyterhub-singleuser, so the
+# copy runs as the learner and within the learner's limits. It runs with this hub's Python:
+# install the project where every learner can read it (e.g. /opt/dmlbook).
 c.Spawner.cmd = [sys.executable, str(HERE / "learner_server.py")]
 c.Spawner.notebook_dir = "~"
 c.Spawner.default_url = "/lab/tree/book"
@@ -53,7 +53,7 @@ c.Spawner.start_timeout = 120
 c.Spawner.http_timeout = 60
 
 # -- limits per learner. Only a spawner that runs servers in cgroups can enforce them:
-# * SystemdSpawner (jupyterhub-systemdspawner, in the `classroom` extra) runs each server as a
+# * SystemdSpawner (jupyterhub-systemdspawner, in the `jupyterhub` extra) runs each server as a
 #   transient systemd unit and enforces mem_limit as MemoryMax= (the cgroup's hard limit: the
 #   kernel's OOM killer ends the learner's biggest process, usually a kernel or a rank, beyond it)
 #   and cpu_limit as CPUQuota= (cpu_limit x 100 %: 2.0 means at most two cores' time, shared

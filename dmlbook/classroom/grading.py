@@ -1,37 +1,18 @@
-"""For instructors: student copies of the chapter notebooks, and grading them. Every chapter.
+"""Grading the learners' exercise copies without nbgrader: every exercise passed, failed or not
+attempted, as a table and JSON. Every chapter.
 
-Each chapter ends with exercises. An exercise is two cells, marked the way nbgrader marks them
-(in the source and in nbgrader's cell metadata), so an instructor who uses nbgrader can use the
-notebooks as they are:
-
-* the answer cell, with the solution between ``### BEGIN SOLUTION`` and ``### END SOLUTION``;
-* the checker cell, which calls a checker from :mod:`dmlbook.exercises`, then, between
-  ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``, asserts that the check passed.
-
-Without nbgrader, two commands do the same job::
-
-    python -m dmlbook.classroom student chapters/ OUT/    # or: make student
-    python -m dmlbook.classroom grade OUT/                 # a table, and OUT/grades.json
-
-``student`` writes each notebook with every solution replaced by nbgrader's stub (``# YOUR CODE
-HERE`` and a ``raise NotImplementedError`` that says what to do), hidden tests removed and outputs
-cleared. Each checker reports that exception, raised in the learner's function, as "not
-attempted", so a student copy runs top to bottom.
-
-``grade`` runs each notebook in a fresh kernel of this Python, cell by cell, and reports each
-exercise as passed, failed (with the checker's message) or not attempted. The checkers append
-their results to the file named by :data:`dmlbook.exercises.GRADE_LOG`, which the grader sets for
-the kernel, so the grader never parses printed text. A cell outside the exercises that raises is
-reported as an error of that notebook.
+``python -m dmlbook.classroom grade OUT/`` (``make grade``) runs each notebook in a fresh kernel
+of this Python, cell by cell, and reports each exercise as passed, failed (with the checker's
+message) or not attempted (the stub of :mod:`dmlbook.classroom.exercise_copies` still in place).
+The checkers append their results to the file named by :data:`dmlbook.exercises.GRADE_LOG`, which
+the grader sets for the kernel, so the grader never parses printed text. A cell outside the
+exercises that raises is reported as an error of that notebook.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -41,113 +22,22 @@ from pathlib import Path
 
 import nbformat
 
+from dmlbook.classroom.exercise_copies import BEGIN_SOLUTION, STUB, notebooks_in
 from dmlbook.exercises import GRADE_LOG
 
 __all__ = [
+    "STATUSES",
     "ExerciseGrade",
     "GradingKernel",
     "NotebookGrade",
     "grade",
     "grade_notebook",
-    "main",
-    "student_notebook",
-    "strip_solutions",
-    "write_student_copies",
+    "summary",
+    "table",
+    "to_json",
 ]
 
-BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
-BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-# nbgrader's own code stub, with a message that says what to do
-STUB = (
-    "# YOUR CODE HERE",
-    'raise NotImplementedError("exercise not yet implemented: replace these two lines with your '
-    'answer")',
-)
 STATUSES = ("passed", "failed", "not attempted")
-
-
-# --------------------------------------------------------------------------- student copies
-
-
-def strip_solutions(source: str) -> str:
-    """A code cell's source with each solution replaced by the stub and hidden tests removed."""
-    out: list[str] = []
-    inside: str | None = None
-    for number, line in enumerate(source.splitlines(), 1):
-        marker = line.strip()
-        if marker in (BEGIN_SOLUTION, BEGIN_HIDDEN):
-            if inside:
-                raise ValueError(f"line {number}: {marker!r} inside an open {inside!r} region")
-            inside = marker
-            if marker == BEGIN_SOLUTION:
-                indent = line[: len(line) - len(line.lstrip())]
-                out.extend(indent + stub for stub in STUB)
-        elif marker in (END_SOLUTION, END_HIDDEN):
-            expected = BEGIN_SOLUTION if marker == END_SOLUTION else BEGIN_HIDDEN
-            if inside != expected:
-                raise ValueError(f"line {number}: {marker!r} without {expected!r}")
-            inside = None
-        elif inside is None:
-            out.append(line)
-    if inside:
-        raise ValueError(f"{inside!r} is never closed")
-    while out and not out[-1].strip():
-        out.pop()
-    return "\n".join(out)
-
-
-def student_notebook(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The student version of a notebook: solutions stubbed, hidden tests gone, no outputs."""
-    student = copy.deepcopy(notebook)
-    for number, cell in enumerate(student.cells):
-        if cell.cell_type != "code":
-            continue
-        try:
-            cell.source = strip_solutions(cell.source)
-        except ValueError as e:
-            raise ValueError(f"cell {number}: {e}") from None
-        cell.outputs = []
-        cell.execution_count = None
-    return student
-
-
-def write_student_copies(source: Path, out: Path) -> list[Path]:
-    """Write the student version of each notebook in ``source`` (a folder or one notebook) into
-    the folder ``out``, with any other files beside them; return the notebooks written."""
-    source, out = Path(source), Path(out)
-    notebooks = _notebooks(source)
-    if out.resolve() == (source if source.is_dir() else source.parent).resolve():
-        raise ValueError(f"{out} holds the solutions: write the student copies somewhere else")
-    out.mkdir(parents=True, exist_ok=True)
-    if source.is_dir():  # data or pictures the notebooks may read
-        for other in sorted(source.iterdir()):
-            if other.is_file() and other.suffix != ".ipynb" and not other.name.startswith("."):
-                shutil.copy2(other, out / other.name)
-    written = []
-    for path in notebooks:
-        notebook = nbformat.read(path, as_version=4)
-        try:
-            student = student_notebook(notebook)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        target = out / path.name
-        nbformat.write(student, target)
-        written.append(target)
-    return written
-
-
-def _notebooks(path: Path) -> list[Path]:
-    if path.is_file() and path.suffix == ".ipynb":
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a notebook nor a folder")
-    notebooks = sorted(p for p in path.glob("*.ipynb") if not p.name.startswith("."))
-    if not notebooks:
-        raise FileNotFoundError(f"no notebooks in {path}")
-    return notebooks
-
-
-# --------------------------------------------------------------------------- grading
 
 
 @dataclass
@@ -303,7 +193,7 @@ def _exercise_grade(cell, index, reports, error, answer_error) -> ExerciseGrade:
 
 def grade(paths: Iterable[Path], timeout: float = 600.0, progress=None) -> list[NotebookGrade]:
     """Grade each notebook (a folder means every notebook in it), one fresh kernel each."""
-    notebooks = [nb for path in paths for nb in _notebooks(Path(path))]
+    notebooks = [nb for path in paths for nb in notebooks_in(Path(path))]
     grades = []
     for notebook in notebooks:
         if progress:
@@ -325,6 +215,7 @@ def summary(grades: list[NotebookGrade]) -> dict:
 
 
 def to_json(grades: list[NotebookGrade]) -> dict:
+    """The grades as JSON-ready data: every notebook's exercises and errors, and the summary."""
     return dict(notebooks=[asdict(g) for g in grades], summary=summary(grades))
 
 
@@ -349,46 +240,3 @@ def table(grades: list[NotebookGrade]) -> str:
         f"{s['not attempted']} not attempted"
     )
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dmlbook.classroom", description=__doc__.split("\n\n")[0]
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    student = commands.add_parser("student", help="write student copies of the notebooks")
-    student.add_argument("source", type=Path, help="the chapters folder, or one notebook")
-    student.add_argument("out", type=Path, help="the folder to write the student copies into")
-    grader = commands.add_parser("grade", help="run notebooks and grade their exercises")
-    grader.add_argument("paths", type=Path, nargs="+", help="folders or notebooks to grade")
-    grader.add_argument(
-        "--json",
-        type=Path,
-        help="where to write the JSON report (default: grades.json in the "
-        "first folder given; '-' prints it)",
-    )
-    grader.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
-    args = parser.parse_args(argv)
-
-    if args.command == "student":
-        written = write_student_copies(args.source, args.out)
-        print(f"wrote {len(written)} student notebooks to {args.out}")
-        return 0
-    grades = grade(args.paths, args.timeout, progress=lambda line: print(line, file=sys.stderr))
-    print(table(grades))
-    report = json.dumps(to_json(grades), indent=2)
-    if args.json == Path("-"):
-        print(report)
-    else:
-        first = args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent
-        target = args.json or first / "grades.json"
-        target.write_text(report + "\n")
-        print(f"JSON report: {target}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

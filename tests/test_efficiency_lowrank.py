@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dmlbook.model_parallel.serving import lowrank
+from dmlbook.model_parallel.efficiency import lowrank
 from dmlbook.models import mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

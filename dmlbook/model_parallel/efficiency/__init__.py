@@ -1,5 +1,8 @@
-"""Making a model cheaper to train and serve (chapter 8, "Achieving higher throughput and lower
-latency"); chapter 3's data-parallel inference is :mod:`dmlbook.data_parallel.serving`.
+"""Efficiency: making a model cheaper to train and serve (chapter 8, "Achieving higher throughput
+and lower latency"). Chapter 8 closes the book's model-parallel part: the same problem as chapter
+5's (a model too big or too slow for one device), answered here without splitting the model.
+Chapter 3's data-parallel inference is :mod:`dmlbook.data_parallel.serving`; chapter 7's
+pipelined serving is :mod:`dmlbook.model_parallel.pipeline_serving`.
 
 - ``layers``: a model seen as a plain list of layers, the unit that chapter 8 freezes, streams
   from disk and decomposes.
@@ -13,7 +16,7 @@ latency"); chapter 3's data-parallel inference is :mod:`dmlbook.data_parallel.se
   4, 8 and 10).
 """
 
-from dmlbook.model_parallel.serving import (
+from dmlbook.model_parallel.efficiency import (
     distillation,
     freezing,
     layers,

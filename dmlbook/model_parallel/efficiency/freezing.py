@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dmlbook.model_parallel.efficiency.layers import as_layers, layer_loss, run_layers
 from dmlbook.model_parallel.recompute import SavedTensorMeter
-from dmlbook.model_parallel.serving.layers import as_layers, layer_loss, run_layers
 
 __all__ = [
     "FreezingCost",

@@ -7,9 +7,9 @@ import torch
 from torch.nn import functional as F
 
 from dmlbook.launch import run
+from dmlbook.model_parallel.efficiency import offload
+from dmlbook.model_parallel.efficiency.layers import as_layers, layer_loss
 from dmlbook.model_parallel.recompute import cuda_peak_bytes
-from dmlbook.model_parallel.serving import offload
-from dmlbook.model_parallel.serving.layers import as_layers, layer_loss
 from dmlbook.models import char_gpt, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,9 +4,9 @@ gradients of the unfrozen model, and a frozen prefix saves no activation for bac
 import pytest
 import torch
 
+from dmlbook.model_parallel.efficiency import freezing
+from dmlbook.model_parallel.efficiency.layers import as_layers, layer_loss, run_layers
 from dmlbook.model_parallel.recompute import SavedTensorMeter
-from dmlbook.model_parallel.serving import freezing
-from dmlbook.model_parallel.serving.layers import as_layers, layer_loss, run_layers
 from dmlbook.models import char_gpt, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")

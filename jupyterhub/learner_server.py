@@ -2,10 +2,10 @@
 ``jupyterhub-singleuser`` (jupyterhub_config.py makes this the spawner's command).
 
 It runs as the learner and inside the limits the spawner set, so the copy is the learner's own.
-``python -m dmlbook.book copy ~/book`` never writes over a notebook the learner has edited, so it
-runs on every start: the first start makes the copy, later ones bring unedited chapters up to the
-installed package. A failed copy is reported in the hub's log and does not keep the learner out
-of their server.
+``python -m dmlbook.classroom copy-book ~/book`` never writes over a notebook the learner has
+edited, so it runs on every start: the first start makes the copy, later ones bring unedited
+chapters up to the installed package. A failed copy is reported in the hub's log and does not
+keep the learner out of their server.
 """
 
 import os
@@ -17,7 +17,7 @@ BOOK = Path.home() / "book"
 
 
 def copy_book() -> None:
-    command = [sys.executable, "-m", "dmlbook.book", "copy", str(BOOK)]
+    command = [sys.executable, "-m", "dmlbook.classroom", "copy-book", str(BOOK)]
     try:
         done = subprocess.run(command, stdin=subprocess.DEVNULL, timeout=120)
     except subprocess.TimeoutExpired:

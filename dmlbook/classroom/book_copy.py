@@ -1,10 +1,11 @@
-"""A learner's own copy of the chapters, which a later copy updates without losing their work.
+"""A learner's own copy of the book, which a later copy updates without losing their work.
 
-`python -m dmlbook.book copy DIR` writes the chapter notebooks into DIR, and a class's JupyterHub
-calls it when a learner's server starts. The copy is only the notebooks: the chapters read their
-data and start their scripts through the installed package (`dmlbook.datasets.DATA_DIR`,
-`EXAMPLES_DIR`), so a notebook runs from any folder, and a copied script would be a decoy that
-no chapter runs.
+`python -m dmlbook.classroom copy-book DIR` writes the installed chapter notebooks into DIR, and a
+class's JupyterHub runs it each time a learner's server starts (jupyterhub/learner_server.py). The
+copy is only the notebooks: the chapters read their data and start their scripts through the
+installed package (`dmlbook.datasets.DATA_DIR`, `EXAMPLES_DIR`), so a notebook runs from any
+folder, and a copied script would be a decoy that no chapter runs. (The learners' exercise copies,
+with the solutions stubbed, are :mod:`dmlbook.classroom.exercise_copies`.)
 
 Copying again (a new version of the book installed) must never destroy a learner's work. The copy
 records, in DIR/.dmlbook-copy.json, a fingerprint of each file it wrote. A notebook's fingerprint
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import dmlbook
 from dmlbook import book
+
+__all__ = ["MANIFEST", "CopyResult", "book_files", "copy_book", "copy_report", "fingerprint"]
 
 MANIFEST = ".dmlbook-copy.json"
 _TMP_SUFFIX = ".tmp"
@@ -108,7 +111,7 @@ def copy_book(folder: str | Path, *, source: Path | None = None, force: bool = F
     return result
 
 
-def summary(result: CopyResult, command: str = "python -m dmlbook.book copy") -> str:
+def copy_report(result: CopyResult, command: str = "python -m dmlbook.classroom copy-book") -> str:
     """The learner's report: what was written, and what was kept and how to proceed."""
     counts = [
         (len(result.written), "written"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from dmlbook.model_parallel.serving.distillation import (
+from dmlbook.model_parallel.efficiency.distillation import (
     distillation_loss,
     soft_target_loss,
     train_student,

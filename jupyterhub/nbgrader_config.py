@@ -5,7 +5,7 @@ checker cell worth one point with a hidden test. The instructor runs nbgrader's 
 the course folder with this file on the Jupyter config path; learners' servers get the same path
 from jupyterhub_config.py::
 
-    export JUPYTER_CONFIG_PATH=/path/to/dmlbook/classroom
+    export JUPYTER_CONFIG_PATH=/path/to/dmlbook/jupyterhub
     nbgrader generate_assignment ch10 && nbgrader release_assignment ch10
     nbgrader collect ch10 && nbgrader autograde ch10 && nbgrader export
 """

@@ -9,8 +9,8 @@ both on the same model and inputs:
   fp32's exponent range with fewer mantissa bits; fp16 the reverse.
 - ``int8 weights``: chapter 4's ``QuantizedLinear``, int8 storage dequantized to fp32 in
   forward: a quarter of the bytes, fp32 arithmetic.
-- ``int8 (ours)``: ``dmlbook.model_parallel.serving.quantization.Int8Linear``, int8 x int8 -> int32
-  products with a scale per weight row and per input row.
+- ``int8 (ours)``: ``dmlbook.model_parallel.efficiency.quantization.Int8Linear``, int8 x int8
+  -> int32 products with a scale per weight row and per input row.
 - ``int8 (torch)``: torch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``),
   fbgemm / oneDNN int8 kernels.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dmlbook.model_parallel.serving.quantization import int8_model, quantize_model
+from dmlbook.model_parallel.efficiency.quantization import int8_model, quantize_model
 
 __all__ = [
     "ARITHMETIC_FLAGS",

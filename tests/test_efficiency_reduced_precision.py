@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dmlbook.model_parallel.serving import reduced_precision
-from dmlbook.model_parallel.serving.quantization import (
+from dmlbook.model_parallel.efficiency import reduced_precision
+from dmlbook.model_parallel.efficiency.quantization import (
     Int8Linear,
     int8_matmul,
     int8_model,
