@@ -159,7 +159,7 @@ def test_schedules_as_tables():
     assert pp.format_schedule(pp.inference_schedule(2, 2)) == "stage 0: F0 F1\nstage 1: F0 F1"
     assert pp.stage_actions(pp.one_f_one_b_schedule(2, 2), 1)[1] == pp.Action(1, 1, "B", 0)
     assert pp.bubble_theory(3, 3) == pytest.approx(2 / 5)
-    assert set(pp.SCHEDULES) == {"vanilla", "gpipe", "1f1b"}
+    assert set(pp.SCHEDULES) == {"vanilla", "gpipe", "1f1b", "interleaved", "zb-h1"}
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
@@ -458,10 +458,13 @@ def test_the_executor_ops_are_public_and_run_one_stage():
     assert stage.held == {} and result.peak_live_activations == 1
 
 
-def test_bench_pipeline_writes_the_promised_records(tmp_path):
+def test_bench_pipeline_writes_the_promised_records(tmp_path, monkeypatch):
     import json
 
+    from dmlbook.bench import pipeline as bench
     from dmlbook.bench.pipeline import bench_pipeline
+
+    monkeypatch.setattr(bench, "bench_schedules", lambda: [])  # its own test follows
 
     path = tmp_path / "pipeline.json"
     bench_pipeline(
@@ -485,6 +488,26 @@ def test_bench_pipeline_writes_the_promised_records(tmp_path):
         assert r["wait_s"] >= 0 and r["message_s"] > 0
         assert r["bubble_theory"] == pytest.approx(1 / (r["microbatches"] + 1))
     assert len({r["cores_busy"] for r in records}) == 1 and 0 <= records[0]["cores_busy"] <= 1
+
+
+def test_bench_schedules_sets_interleaved_and_zb_h1_beside_torch_with_equal_losses():
+    from dmlbook.bench.pipeline import bench_schedules
+
+    records = bench_schedules(stages=(2,), microbatches=(2,), steps=2, warmup=0, width=16,
+                              depth=4, batch=8)  # fmt: skip
+    assert [(r["schedule"], r["chunks"], r["microbatches"]) for r in records] == [
+        ("1f1b", 1, 2), ("interleaved", 2, 2), ("zb-h1", 1, 2)
+    ]  # fmt: skip
+    for r in records:
+        assert r["part"] == "beyond the book" and r["stages"] == 2
+        assert r["loss"] == pytest.approx(r["torch_loss"], rel=1e-5)  # the bench asserts it too
+        assert r["bubble_theory"] == pytest.approx(
+            pp.bubble_theory(2, 2, r["schedule"], r["chunks"])
+        )
+        assert 0 <= r["bubble_packed"] <= r["bubble_measured"] + 1e-12 < 1 + 1e-12
+        assert r["median_step_s"] > 0 and r["torch_median_step_s"] > 0
+        assert r["peak_saved_bytes"] > 0 and r["torch_peak_saved_bytes"] > 0
+        assert (r["ratio_vs_torch"] is None) == (r["schedule"] == "1f1b" or r["oversubscribed"])
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 Our vanilla, GPipe and 1F1B schedules (:mod:`dmlbook.model_parallel.pipeline`) against
 ``torch.distributed.pipelining``'s on the same stage modules: step time, and the measured bubble
 beside the theory (P-1)/(M+P-1). Chapter 6 runs :func:`bench_pipeline` on a small model.
+Beyond the book, in the same run, :func:`bench_schedules` sets 1F1B, interleaved 1F1B and ZB-H1
+side by side at P = 2 and 4, M = 4 and 8: their bubble (theory, measured, packed), and step time
+and peak activation memory beside torch's ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
+``ScheduleInterleavedZeroBubble`` on the same model, whose losses must equal ours.
 
 Chapter 6's timed runs use :func:`schedule_steps`, a rank function that builds this rank's stage
 and runs a few steps of each schedule, recording how long each forward waited for a CPU; then
@@ -12,6 +16,7 @@ and runs a few steps of each schedule, recording how long each forward waited fo
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
@@ -112,12 +117,12 @@ def schedule_steps(make_model, loss_fn, batch, cases, steps=4, measure_memory=Fa
     module.register_forward_pre_hook(lambda m, args: waited.append(wait_s()))
     module.register_forward_hook(lambda m, args, y: waited.append(wait_s() - waited.pop()))
     cpu = []
-    for name in ("forward", "backward"):  # each op's CPU time, beside its wall-clock record
-        op = getattr(stage, name)
+    for name in ("forward", "backward", "backward_weight"):  # each op's CPU time, beside its
+        op = getattr(stage, name)  # wall-clock record
 
-        def timed(mb, op=op):
+        def timed(*args, op=op):  # (micro-batch) or, with model chunks, (micro-batch, chunk)
             start = time.thread_time()
-            op(mb)
+            op(*args)
             cpu.append(time.thread_time() - start)
 
         setattr(stage, name, timed)  # run_schedule calls self.forward / self.backward
@@ -221,6 +226,9 @@ def bench_pipeline(
     before and after the timed steps (:func:`dmlbook.cpu_wait.cpu_wait_in_burst`): near 0 where
     each stage had a core of its own; stages that share cores with other work cannot overlap,
     and their bubble then says more about that work than about the schedule.
+
+    With ``versus_torch`` (chapter 6's quick run goes without), the run goes on beyond the book:
+    the records of :func:`bench_schedules` follow, each with ``"part": "beyond the book"``.
     """
     from dmlbook.model_parallel import pipeline as pp
 
@@ -289,5 +297,187 @@ def bench_pipeline(
             f"{theory:7.3f} {1e3 * wait_s:6.1f}ms {1e3 * message_s:6.2f}ms "
             + (f"{1e3 * torch_s:8.1f}ms {ratio:7.2f}x" if versus_torch else "")
         )
+    if versus_torch:
+        records += bench_schedules()
     _write_json(records, json_path)
+    return records
+
+
+# ---- beyond the book: interleaved 1F1B and ZB-H1 against torch's -------------------------------
+
+_TORCH_KINDS = {  # ours -> torch.distributed.pipelining's class of the same schedule
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",  # with one chunk per rank: ZB-H1 (torch's ZB1P)
+}
+
+
+def _schedule_step_times(cases, steps: int, warmup: int, width: int, depth: int, batch: int):
+    """On every stage: each case's step time, timeline and peak saved bytes, ours and torch's
+    on the same chunks of one MLP (the losses too, to check that both computed the same)."""
+    from torch.distributed import pipelining
+
+    from dmlbook.model_parallel import pipeline as pp
+    from dmlbook.model_parallel.recompute import SavedTensorMeter
+
+    rank, stages, dev = dist.get_rank(), dist.get_world_size(), device()
+    model = mlp(seed=0, in_features=width, hidden=(width,) * (depth - 1), out_features=width)
+    layers = [layer.to(dev) for layer in pp.layers_of(model)]
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(batch, width, generator=g).to(dev) for _ in range(2))
+    loss_fn = torch.nn.functional.mse_loss
+    ours, theirs = {}, {}
+    for case in cases:
+        schedule, chunks, microbatches = case
+        parts = pp.split_model(layers, pp.even_partition(depth, stages * chunks))
+        mine = [parts[c * stages + rank] for c in range(chunks)]
+        ours[case] = pp.PipelineStage(mine if chunks > 1 else mine[0], rank, stages, device=dev)
+        their_stages = [
+            pipelining.PipelineStage(m, c * stages + rank, stages * chunks, dev)
+            for c, m in enumerate(mine)
+        ]
+        kind = getattr(pipelining, _TORCH_KINDS[schedule])
+        their_stages = their_stages[0] if schedule == "1f1b" else their_stages
+        theirs[case] = kind(their_stages, microbatches, loss_fn=loss_fn)
+    keep = [*model.parameters(), x, y]  # not activation memory
+
+    def our_step(case):
+        result = ours[case].train_step(x, y, loss_fn, case[2], case[0], measure_memory=True)
+        return result.loss, result.peak_saved_bytes, result.timeline
+
+    def torch_step(case):
+        losses: list[torch.Tensor] = []
+        with SavedTensorMeter(keep) as meter:
+            if rank == 0:
+                theirs[case].step(x)
+            elif rank == stages - 1:
+                theirs[case].step(target=y, losses=losses)
+            else:
+                theirs[case].step()
+        return (torch.stack(losses).mean().item() if losses else None), meter.peak, None
+
+    def timed(step, case):
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        out = step(case)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest stage's time
+        return elapsed.item(), out
+
+    keys = ("ours", "torch", "timelines", "bytes", "torch_bytes", "loss", "torch_loss")
+    out = {case: {key: [] for key in keys} for case in cases}
+    for i in range(warmup + steps):
+        for case in cases[i % len(cases) :] + cases[: i % len(cases)]:  # rotate the order
+            ours_s, (loss, saved, timeline) = timed(our_step, case)
+            torch_s, (torch_loss, torch_saved, _) = timed(torch_step, case)
+            if i >= warmup:
+                record = out[case]
+                record["ours"].append(ours_s)
+                record["torch"].append(torch_s)
+                record["timelines"].append(timeline)
+                record["bytes"].append(saved)
+                record["torch_bytes"].append(torch_saved)
+                record["loss"].append(loss)
+                record["torch_loss"].append(torch_loss)
+    return out
+
+
+def bench_schedules(
+    stages: tuple[int, ...] = (2, 4),
+    microbatches: tuple[int, ...] = (4, 8),
+    steps: int = 6,
+    warmup: int = 1,
+    width: int = 512,
+    depth: int = 8,
+    batch: int = 256,
+    chunks: int = 2,
+) -> list[dict]:
+    """1F1B, interleaved 1F1B (``chunks`` = v model chunks per rank) and ZB-H1 on an MLP of
+    ``depth`` Linear(width, width) layers, at each P in ``stages`` and M in ``microbatches``.
+
+    Per case: the bubble with equal op times (``bubble_theory``), measured (median over steps of
+    the idle fraction of the stages' timelines) and packed (the same op times, instant messages);
+    the median step time (slowest stage) of ours and of torch's class of the same schedule on the
+    same chunks, and each one's peak bytes autograd saved for backward (the most of any rank,
+    counted by the same ``SavedTensorMeter``). Our loss and torch's must be equal (asserted).
+    ``ratio_vs_torch`` is given at the P that has a core per rank (1F1B's rows are left out of
+    it: the main table has them); with more ranks than cores the timings are not claims.
+    """
+    from dmlbook.model_parallel import pipeline as pp
+
+    cores = os.cpu_count() or 1
+    records = []
+    print(
+        f"\nbeyond the book: interleaved 1F1B (v = {chunks}) and ZB-H1 against 1F1B and torch's "
+        f"schedules, MLP {depth} x Linear({width}, {width}), batch {batch}, median of {steps} "
+        f"steps; memory: peak bytes autograd saved (the most of any rank)"
+    )
+    for p in stages:
+        if depth < p * chunks:
+            raise ValueError(f"{depth} layers cannot make {p * chunks} chunks")
+        cases = [
+            (schedule, chunks if schedule == "interleaved" else 1, m)
+            for m in microbatches
+            for schedule in ("1f1b", "interleaved", "zb-h1")
+        ]
+        measured = run(
+            _schedule_step_times, p, cases, steps, warmup, width, depth, batch, timeout=600
+        )
+        shared = p > cores
+        print(
+            f"P = {p} ranks on {cores} cores"
+            + (
+                ": oversubscribed, ranks take turns on the cores; times are not claims"
+                if shared
+                else ""
+            )  # fmt: skip
+        )
+        print(
+            f"{'schedule':>11s} {'v':>2s} {'M':>3s} {'theory':>7s} {'measured':>8s} "
+            f"{'packed':>7s} {'ours':>9s} {'torch':>9s} {'vs torch':>8s} {'ours MB':>8s} "
+            f"{'torch MB':>8s}"
+        )
+        for case in cases:
+            schedule, v, m = case
+            loss = measured[-1][case]["loss"][0]
+            torch_loss = measured[-1][case]["torch_loss"][0]
+            assert abs(loss - torch_loss) <= 1e-5 * max(1.0, abs(loss)), (case, loss, torch_loss)
+            per_step = list(zip(*(measured[r][case]["timelines"] for r in range(p)), strict=True))
+            bubble = statistics.median(pp.measured_bubble(t) for t in per_step)
+            packed = statistics.median(pp.measured_bubble(pp.packed_timelines(t)) for t in per_step)
+            theory = pp.bubble_theory(p, m, schedule, v)
+            step_s = statistics.median(measured[0][case]["ours"])
+            torch_s = statistics.median(measured[0][case]["torch"])
+            ratio = step_s / torch_s if not shared and schedule != "1f1b" else None
+            saved = max(max(measured[r][case]["bytes"]) for r in range(p))
+            torch_saved = max(max(measured[r][case]["torch_bytes"]) for r in range(p))
+            records.append(
+                {
+                    "part": "beyond the book",
+                    "schedule": schedule,
+                    "chunks": v,
+                    "stages": p,
+                    "microbatches": m,
+                    "bubble_theory": theory,
+                    "bubble_measured": bubble,
+                    "bubble_packed": packed,
+                    "median_step_s": step_s,
+                    "torch_median_step_s": torch_s,
+                    "ratio_vs_torch": ratio,
+                    "peak_saved_bytes": saved,
+                    "torch_peak_saved_bytes": torch_saved,
+                    "loss": loss,
+                    "torch_loss": torch_loss,
+                    "oversubscribed": shared,
+                }
+            )
+            print(
+                f"{schedule:>11s} {v:2d} {m:3d} {theory:7.3f} {bubble:8.3f} {packed:7.3f} "
+                f"{1e3 * step_s:7.1f}ms {1e3 * torch_s:7.1f}ms "
+                + (f"{ratio:7.2f}x " if ratio is not None else f"{'':>8s} ")
+                + f"{saved / 1e6:8.2f} {torch_saved / 1e6:8.2f}"
+            )
     return records

@@ -64,11 +64,24 @@ class _Op(Protocol):  # what gantt reads of an op, e.g. dmlbook.model_parallel.p
     end: float
 
 
-# forward blue, backward orange, gradient sync green, optimizer step purple; others grey
-GANTT_COLOURS = {"F": "#4c8bd6", "B": "#e8913a", "sync": "#59a14f", "step": "#b07aa1"}
+# forward blue, backward orange, gradient sync green, optimizer step purple, the weight gradient
+# of a split backward (zero-bubble schedules) yellow; others grey
+GANTT_COLOURS = {
+    "F": "#4c8bd6",
+    "B": "#e8913a",
+    "W": "#edc948",
+    "sync": "#59a14f",
+    "step": "#b07aa1",
+}
 
 
-_GANTT_NAMES = {"F": "forward", "B": "backward", "sync": "gradient sync", "step": "optimizer step"}
+_GANTT_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight gradient",
+    "sync": "gradient sync",
+    "step": "optimizer step",
+}
 
 
 def gantt(
@@ -82,6 +95,8 @@ def gantt(
     """Per-stage timeline of a pipelined step: one row per stage (stage 0 on top), one box per
     op from its start to its end, F and B in different colours, the micro-batch number inside.
     White space is idle time: the pipeline bubble, measured rather than drawn from a formula.
+    Where ops carry a model ``chunk`` (interleaved schedules), the number reads micro-batch.chunk,
+    as :func:`dmlbook.model_parallel.schedules.format_schedule` writes it.
     The legend names forward and backward always, or with ``legend_present_only`` (serving, which
     has no backward) only the kinds of op drawn.
     """
@@ -91,6 +106,11 @@ def gantt(
     starts = [r.start for timeline in timelines for r in timeline]
     t0 = min(starts, default=0.0)
     span = max((r.end for timeline in timelines for r in timeline), default=t0) - t0
+    chunked = any(getattr(r, "chunk", 0) for timeline in timelines for r in timeline)
+
+    def name(r: _Op) -> str:
+        return f"{r.microbatch}.{r.chunk}" if chunked else str(r.microbatch)
+
     for row, timeline in enumerate(timelines):
         small_at = -float("inf")  # the last number put above a box in this row
         for r in timeline:
@@ -102,10 +122,10 @@ def gantt(
             # at gets none
             middle = (r.start - t0 + (r.end - r.start) / 2) * scale
             if r.microbatch >= 0 and r.end - r.start >= 0.012 * span:
-                ax.text(middle, row, str(r.microbatch), ha="center", va="center", fontsize=7)
+                ax.text(middle, row, name(r), ha="center", va="center", fontsize=7)
             elif (r.microbatch >= 0 and r.end - r.start >= 0.002 * span
                   and middle - small_at >= 0.03 * span * scale):  # fmt: skip
-                ax.text(middle, row - 0.42, str(r.microbatch), ha="center", va="bottom",
+                ax.text(middle, row - 0.42, name(r), ha="center", va="bottom",
                         fontsize=5)  # fmt: skip
                 small_at = middle
     ax.set_yticks(range(rows), labels or [f"stage {s}" for s in range(rows)], fontsize=8)
@@ -171,16 +191,18 @@ def held_activations(
 ) -> plt.Axes:
     """How many micro-batches' activations each stage holds through a step: one step line per
     stage, up by one when a forward starts (its input and what autograd saves stay), down by one
-    when that micro-batch's backward ends. ``caps[s]``, drawn dashed in the stage's colour and
-    labelled with ``cap_label``, is a bound to compare with (chapter 6: 1F1B's P - s)."""
+    when that micro-batch's backward ends (its W, where backward is split). ``caps[s]``, drawn
+    dashed in the stage's colour and labelled with ``cap_label``, is a bound to compare with
+    (chapter 6: 1F1B's P - s)."""
     scale = {"slot": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     ax = ax or plt.subplots(figsize=(8, 2.8))[1]
     records = [r for timeline in timelines for r in timeline]
     t0, t1 = min(r.start for r in records), max(r.end for r in records)
     for stage, timeline in enumerate(timelines):
+        release = "W" if any(r.op == "W" for r in timeline) else "B"  # split: held until W
         events = sorted(
             [(r.start, 1) for r in timeline if r.op == "F"]
-            + [(r.end, -1) for r in timeline if r.op == "B"]
+            + [(r.end, -1) for r in timeline if r.op == release]
         )
         times, held, level = [0.0], [0], 0
         for time, change in events:
