@@ -302,7 +302,7 @@ class CharGPT(nn.Module):
         return idx
 
 
-def _seeded(build: Callable[[], M], seed: int) -> M:
+def build_seeded(build: Callable[[], M], seed: int) -> M:
     """Run ``build`` with the CPU RNG seeded to ``seed``, restoring the caller's RNG afterwards."""
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)  # CPU only: leaves any CUDA RNG alone
@@ -311,17 +311,17 @@ def _seeded(build: Callable[[], M], seed: int) -> M:
 
 def mlp(seed: int = 0, **kwargs) -> MLP:
     """``MLP(**kwargs)`` with weights determined by ``seed``; the global RNG is left untouched."""
-    return _seeded(lambda: MLP(**kwargs), seed)
+    return build_seeded(lambda: MLP(**kwargs), seed)
 
 
 def cnn(seed: int = 0, **kwargs) -> CNN:
     """``CNN(**kwargs)`` with weights determined by ``seed``; the global RNG is left untouched."""
-    return _seeded(lambda: CNN(**kwargs), seed)
+    return build_seeded(lambda: CNN(**kwargs), seed)
 
 
 def char_gpt(vocab_size: int, seed: int = 0, **kwargs) -> CharGPT:
     """``CharGPT(GPTConfig(vocab_size, **kwargs))`` with weights determined by ``seed``."""
-    return _seeded(lambda: CharGPT(GPTConfig(vocab_size=vocab_size, **kwargs)), seed)
+    return build_seeded(lambda: CharGPT(GPTConfig(vocab_size=vocab_size, **kwargs)), seed)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -28,7 +28,7 @@ def _checks() -> dict:
     # Equal splits, rank-valued input: rank r sends r * 100 + j to rank j.
     x = torch.stack([torch.full((3,), 100.0 * rank + j) for j in range(world)])  # (world, 3)
     ours = torch.empty_like(x)
-    with collectives.recording() as sends:
+    with collectives.recording_sends() as sends:
         alltoall.all_to_all_single(ours, x)
     out["equal"] = ours[:, 0].tolist()
     out["sends"] = [(s.collective, s.src, s.dst, s.nbytes) for s in sends if s.phase == "exchange"]

@@ -226,7 +226,7 @@ def test_subgroups_match_torch():
 
 
 def _trace(n: int, algorithm: str):
-    with C.recording() as sends:
+    with C.recording_sends() as sends:
         C.all_reduce(torch.ones(n), algorithm=algorithm)
     return sends
 
@@ -320,7 +320,7 @@ def _transfer_dtype_errors() -> dict:
             op = OPS[op_name]
             div = p if op_name == "AVG" else 1
             ours = inputs[rank].clone()
-            with C.recording() as sends:
+            with C.recording_sends() as sends:
                 C.all_reduce(ours, op=op, transfer_dtype=wire)
             err = (ours.double() - want / div).abs()
             # p - 1 roundings of partial sums on the way round, one of the result, fp32 sums
@@ -341,7 +341,7 @@ def _transfer_dtype_errors() -> dict:
                 "bytes": sum(s.nbytes for s in sends),
             }
     fp32 = inputs[rank].clone()
-    with C.recording() as sends:
+    with C.recording_sends() as sends:
         C.all_reduce(fp32)
     errors["fp32"] = {
         "ours": ((fp32.double() - want).abs() / scale).mean().item(),

@@ -287,7 +287,7 @@ MEMBERS = [[1], [1, 2], [1, 2, 3], [2, 3], [3], [1, 3]] * 3  # join, join, leave
 def adaptive_ps():
     x, y = load_digits("train")
     config = ps.PSConfig(global_batch=60, lr=0.1)
-    return ps.train(lambda: models.mlp(seed=0), x, y, config, members=MEMBERS)
+    return ps.train_parameter_server(lambda: models.mlp(seed=0), x, y, config, members=MEMBERS)
 
 
 def test_ps_workers_join_and_leave_and_sgd_stays_exact():

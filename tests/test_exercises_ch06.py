@@ -1,14 +1,17 @@
 """Chapter 6's exercise checkers: right answers pass; planted bugs (GPipe's order, a warm-up one
 too long or too short, no min() for M < P, a B before its F, micro-batches out of turn; micro-batch
 losses not scaled by 1/M, gradients zeroed between micro-batches, the whole batch in one forward,
-one backward of the summed losses, the summed, last or a tensor loss returned) are caught with a
-message that says so, and no order hint prints the expected order; an answer that calls the
-library is told to write the mechanism (``DELEGATING_ANSWERS``, run by
-``tests/test_exercise_back_doors.py``)."""
+one backward of the summed losses, the summed, last or a tensor loss returned; a linear layer's B
+with the weight transposed, its W transposed, not summed over leading dims, averaged, or without
+the bias) are caught with a message that says so, and no order hint prints the expected order; an
+answer that calls the library (or autograd) is told to write the mechanism
+(``DELEGATING_ANSWERS``, run by ``tests/test_exercise_back_doors.py``)."""
 
 import pytest
+import torch
 
 from dmlbook.exercises import ExerciseFailed, ch06
+from dmlbook.model_parallel import backward_split as bs
 from dmlbook.model_parallel import pipeline as pp
 
 
@@ -227,6 +230,8 @@ def test_microbatch_gradients_catches_planted_bugs(answer, message):
 def test_unanswered_exercises_are_not_attempted():
     assert ch06.check_one_f_one_b_order(unanswered).status == "not attempted"
     assert ch06.check_microbatch_gradients(unanswered).status == "not attempted"
+    assert ch06.check_input_gradient(unanswered).status == "not attempted"
+    assert ch06.check_weight_gradient(unanswered).status == "not attempted"
 
 
 def _order_from_the_library(stage, stages, microbatches):
@@ -239,9 +244,15 @@ def _grads_from_the_executor(model, loss_fn, inputs, targets, microbatches):
     return stage.train_step(inputs, targets, loss_fn, microbatches).loss
 
 
+def _input_gradient_from_the_library(grad_y, weight):
+    return bs.linear_input_gradient(grad_y, weight)
+
+
 DELEGATING_ANSWERS = {
     "one_f_one_b_order": _order_from_the_library,
     "microbatch_gradients": _grads_from_the_executor,
+    "input_gradient": _input_gradient_from_the_library,
+    "weight_gradient": lambda x, grad_y: bs.linear_weight_gradient(x, grad_y),
 }
 
 
@@ -253,3 +264,129 @@ def test_the_schedule_table_is_no_way_round():
     with pytest.raises(ExerciseFailed, match="called the library instead"):
         ch06.check_one_f_one_b_order(via_the_table)
     assert pp.SCHEDULES["1f1b"] is pp.one_f_one_b_schedule  # put back afterwards
+
+
+def _order_from_zb_h1(stage, stages, microbatches):  # ZB-H1 without its Ws is 1F1B's order
+    actions = pp.stage_actions(pp.zb_h1_schedule(stages, microbatches), stage)
+    return [(a.op, a.microbatch) for a in actions if a.op != "W"]
+
+
+def _order_from_the_table(name, *chunks):
+    def answer(stage, stages, microbatches):
+        actions = pp.stage_actions(pp.SCHEDULES[name](stages, microbatches, *chunks), stage)
+        return [(a.op, a.microbatch) for a in actions if a.op != "W"]
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [_order_from_zb_h1, _order_from_the_table("zb-h1"), _order_from_the_table("interleaved", 1)],
+)
+def test_the_newer_schedules_are_no_way_round_the_1f1b_order(answer):
+    with pytest.raises(ExerciseFailed, match="called the library instead"):
+        ch06.check_one_f_one_b_order(answer)
+    assert pp.SCHEDULES["zb-h1"] is pp.zb_h1_schedule
+    assert pp.SCHEDULES["interleaved"] is pp.interleaved_schedule
+
+
+# ---- 3. the B/W split of one linear layer
+
+
+def input_gradient(grad_y, weight):
+    return grad_y @ weight
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def weight_gradient(x, grad_y):
+    return _rows(grad_y).T @ _rows(x), _rows(grad_y).sum(0)
+
+
+def test_the_split_passes_the_right_answers():
+    assert ch06.check_input_gradient(input_gradient).status == "passed"
+    assert ch06.check_weight_gradient(weight_gradient).status == "passed"
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (lambda g, wt: g @ wt.T, "grad_x is grad_y times the TRANSPOSED weight"),
+        (lambda g, wt: g, "grad_x differs from autograd's"),
+        (lambda g, wt: (g @ wt)[..., :1], "grad_x must have x's shape"),
+        (lambda g, wt: wt @ g, "raised RuntimeError.*which dimension does your product sum over"),
+        (lambda g, wt: (g @ wt).tolist(), "return grad_x as a tensor"),
+    ],
+)
+def test_input_gradient_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch06.check_input_gradient(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (
+            lambda x, g: (_rows(x).T @ _rows(g), _rows(g).sum(0)),
+            "grad_weight is the transpose of the right one",
+        ),
+        (
+            lambda x, g: (g.mT @ x, g.sum(0)),
+            "grad_weight must have the weight's shape \\(6, 4\\), got \\(5, 6, 4\\).*leading dims",
+        ),
+        (
+            lambda x, g: (torch.einsum("ij,ik->jk", g, x), g.sum(0)),
+            "raised RuntimeError.*2 leading dims \\(5, 3\\).*flatten the leading dims",
+        ),
+        (
+            lambda x, g: _rows(g).T @ _rows(x),
+            "return the pair \\(grad_weight, grad_bias\\).*bias is a parameter too",
+        ),
+        (
+            lambda x, g: (weight_gradient(x, g)[0], _rows(g).mean(0)),
+            "the MEAN of grad_y over the rows",
+        ),
+        (lambda x, g: (weight_gradient(x, g)[0], g), "grad_bias must have the bias's shape"),
+        (
+            lambda x, g: (weight_gradient(x, g)[0] / len(_rows(x)), weight_gradient(x, g)[1]),
+            "grad_weight is the MEAN over the 5 rows",
+        ),
+    ],
+)
+def test_weight_gradient_catches_planted_bugs(answer, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        ch06.check_weight_gradient(answer)
+
+
+def _weight_gradient_by_autograd(x, grad_y):
+    weight = torch.zeros(grad_y.shape[-1], x.shape[-1], dtype=x.dtype, requires_grad=True)
+    bias = torch.zeros(grad_y.shape[-1], dtype=x.dtype, requires_grad=True)
+    y = torch.nn.functional.linear(x, weight, bias)
+    y.backward(grad_y)
+    return weight.grad, bias.grad
+
+
+def _input_gradient_by_vjp(grad_y, weight):
+    x = torch.zeros(*grad_y.shape[:-1], weight.shape[1], dtype=grad_y.dtype)
+    return torch.func.vjp(lambda x: x @ weight.T, x)[1](grad_y)[0]
+
+
+def _input_gradient_by_autograd(grad_y, weight):
+    x = torch.zeros(*grad_y.shape[:-1], weight.shape[1], dtype=grad_y.dtype, requires_grad=True)
+    return torch.autograd.grad(x @ weight.T, x, grad_y)[0]
+
+
+@pytest.mark.parametrize(
+    "check, answer",
+    [
+        (ch06.check_weight_gradient, _weight_gradient_by_autograd),  # Tensor.backward
+        (ch06.check_input_gradient, _input_gradient_by_vjp),
+        (ch06.check_input_gradient, _input_gradient_by_autograd),
+    ],
+)
+def test_the_split_switches_off_autograd(check, answer):
+    with pytest.raises(ExerciseFailed, match="called the library instead.*switched off"):
+        check(answer)
+    assert torch.Tensor.backward.__code__.co_name == "backward"  # put back afterwards

@@ -98,7 +98,7 @@ def sync_runs(layouts):
     out = {}
     for servers, sharding in layouts:
         config = ps.PSConfig(servers=servers, sharding=sharding, **SETTINGS)
-        out[servers, sharding] = ps.train(_model, x, y, config)
+        out[servers, sharding] = ps.train_parameter_server(_model, x, y, config)
     for servers in sorted({s for s, _ in layouts}):
         out["ddp", servers] = _ddp_on(list(range(servers, world)))
     return out
@@ -203,9 +203,9 @@ def digits_runs(straggler_delay):
     common = dict(servers=1, global_batch=48, lr=0.5, epochs=2)
     config = lambda consistency: ps.PSConfig(consistency=consistency, **common)  # noqa: E731
     return {
-        "async": ps.train(mlp, x, y, config(ps.Asynchronous()), delay=delay),
-        "ssp2": ps.train(mlp, x, y, config(ps.BoundedStaleness(2)), delay=delay),
-        "ssp0": ps.train(mlp, x, y, config(ps.BoundedStaleness(0)), delay=delay),
+        "async": ps.train_parameter_server(mlp, x, y, config(ps.Asynchronous()), delay=delay),
+        "ssp2": ps.train_parameter_server(mlp, x, y, config(ps.BoundedStaleness(2)), delay=delay),
+        "ssp0": ps.train_parameter_server(mlp, x, y, config(ps.BoundedStaleness(0)), delay=delay),
     }
 
 
@@ -265,7 +265,9 @@ def dying_worker(report, die_at):
 
     x, y = _data()
     try:
-        return ps.train(_model, x, y, ps.PSConfig(servers=1, **SETTINGS), loss_fn=loss_fn)
+        return ps.train_parameter_server(
+            _model, x, y, ps.PSConfig(servers=1, **SETTINGS), loss_fn=loss_fn
+        )
     except ps.WorkerLost as e:  # the server: keep what it held, for the test to inspect
         torch.save(dict(message=str(e), updates=e.updates, shard=e.shard), report + ".tmp")
         os.replace(report + ".tmp", report)
@@ -319,7 +321,7 @@ def bad_arguments():
         args = {**SETTINGS, "model_fn": _model, **kwargs}
         options = {k: args.pop(k) for k in ("model_fn", "delay", "members") if k in args}
         try:
-            ps.train(x=x, y=y, config=ps.PSConfig(**args), **options)
+            ps.train_parameter_server(x=x, y=y, config=ps.PSConfig(**args), **options)
         except (TypeError, ValueError) as e:
             messages[name] = f"{type(e).__name__}: {e}"
     return messages
@@ -345,7 +347,7 @@ def test_bad_arguments_are_clear_errors_on_every_rank():
         "empty delay pattern": "ValueError: delay needs 2 entries",
         "bad lr": "ValueError: lr must be",
         "empty server": "ValueError: the 36 parameters leave a server empty",
-        "buffers": "ValueError: ps.train serves parameters only",
+        "buffers": "ValueError: ps.train_parameter_server serves parameters only",
         "round without workers": "ValueError: round 1 has no worker",
         "a server in a round": "ValueError: round 0 lists workers [0, 2]: each must appear once "
         "and be a worker rank in 1..2 (ranks 0..0 serve)",
@@ -379,7 +381,7 @@ def test_consistency_objects_know_their_bound_and_check_it():
 def test_train_needs_a_process_group():
     x, y = _data()
     with pytest.raises(RuntimeError, match="launch.run"):
-        ps.train(_model, x, y, ps.PSConfig(servers=1, **SETTINGS))
+        ps.train_parameter_server(_model, x, y, ps.PSConfig(servers=1, **SETTINGS))
 
 
 def test_assemble_model_needs_every_shard():
@@ -395,7 +397,13 @@ def test_sync_on_gpus_equals_cpu_reference(reference):
         pytest.skip("needs a server and a worker on GPUs of their own (2 GPUs)")
     x, y = _data()
     results = run(
-        ps.train, torch.cuda.device_count(), _model, x, y, ps.PSConfig(**SETTINGS), timeout=90
+        ps.train_parameter_server,
+        torch.cuda.device_count(),
+        _model,
+        x,
+        y,
+        ps.PSConfig(**SETTINGS),
+        timeout=90,
     )
     model = ps.assemble_model(_model(), results)
     _assert_same(_state(model), reference, rtol=1e-4, atol=1e-5)

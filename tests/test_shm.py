@@ -57,7 +57,7 @@ def _every_collective():
     out = {}
     for i, (numel, dtype, op) in enumerate(CASES):
         ours = _input(numel, dtype, rank)
-        shm.all_reduce(ours, op)
+        shm.shm_all_reduce(ours, op)
         theirs = _input(numel, dtype, rank)
         if op == ReduceOp.AVG:  # gloo has no AVG: sum, then divide, as torch's docs suggest
             dist.all_reduce(theirs)
@@ -94,13 +94,13 @@ def _every_collective():
     # all_gather and reduce_scatter, against gloo's
     mine = _input(5, torch.float32, rank, salt=rank)
     gathered = [torch.empty(5) for _ in range(world)]
-    shm.all_gather(gathered, mine)
+    shm.shm_all_gather(gathered, mine)
     expected = [torch.empty(5) for _ in range(world)]
     dist.all_gather(expected, mine)
     out["all_gather"] = (torch.stack(gathered), torch.stack(expected))
     inputs = [_input(6, torch.float32, rank, salt=j) for j in range(world)]
     scattered = torch.empty(6)
-    shm.reduce_scatter(scattered, inputs, ReduceOp.SUM)
+    shm.shm_reduce_scatter(scattered, inputs, ReduceOp.SUM)
     # gloo has no reduce_scatter: all-reduce everything and keep this rank's block
     everything = torch.stack(inputs)
     dist.all_reduce(everything)
@@ -134,13 +134,13 @@ def test_equal_to_gloo_and_to_one_process(world_size):
 def _mismatched_then_recovered():
     rank = dist.get_rank()
     try:
-        shm.all_reduce(torch.ones(4 + rank))
+        shm.shm_all_reduce(torch.ones(4 + rank))
     except ValueError as e:
         said = str(e)
     else:
         said = None
     t = torch.ones(3)
-    shm.all_reduce(t)  # the group still works after the error
+    shm.shm_all_reduce(t)  # the group still works after the error
     return said, t.tolist()
 
 
@@ -155,10 +155,10 @@ def test_mismatched_sizes_are_the_same_value_error_on_every_rank():
 
 def _killed_mid_collective():
     t = torch.ones(1 << 16)
-    shm.all_reduce(t)  # the buffer exists on every rank
+    shm.shm_all_reduce(t)  # the buffer exists on every rank
     if dist.get_rank() == 1:
         os.kill(os.getpid(), 9)
-    shm.all_reduce(t)  # rank 0 waits for a rank that is gone
+    shm.shm_all_reduce(t)  # rank 0 waits for a rank that is gone
 
 
 def _dev_shm() -> set[str]:

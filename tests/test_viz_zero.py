@@ -10,7 +10,7 @@ from dmlbook.viz import zero as viz_zero  # noqa: E402
 
 
 def test_flat_buffer_draws_every_element_the_padding_and_each_rank_s_shard():
-    ax = viz_zero.flat_buffer({"weight": 6, "bias": 2}, world_size=3)
+    ax = viz_zero.draw_flat_buffer({"weight": 6, "bias": 2}, world_size=3)
     texts = [t.get_text() for t in ax.texts]
     assert [str(i) for i in range(9)] == [t for t in texts if t.isdigit()]
     assert "padding (1)" in texts

@@ -68,9 +68,9 @@ def _everything(cross_check_torch: bool) -> dict:
             zero.ZeroStage3(wider if dist.get_rank() == 0 else make_model())
         except ValueError as error:
             out["errors"]["different models"] = str(error)
-    for stage in zero.STAGES:
-        out[stage, "torch"] = zero.train(make_model, batches(), stage, LR)
-        out[stage, "dmlbook"] = zero.train(
+    for stage in zero.ZERO_STAGES:
+        out[stage, "torch"] = zero.zero_train(make_model, batches(), stage, LR)
+        out[stage, "dmlbook"] = zero.zero_train(
             make_model, batches(), stage, LR, collectives="dmlbook", record_sends=True
         )
     # stage 3 really lets go: after a step no parameter of the model has any storage left
@@ -121,7 +121,7 @@ def test_every_stage_equals_single_process_and_plain_data_parallel(world_size):
     ranks = results(world_size)
     assert_same(ranks[0]["plain ddp"], single_process())
     for rank in ranks:
-        for stage in zero.STAGES:
+        for stage in zero.ZERO_STAGES:
             for path in ("torch", "dmlbook"):
                 got = rank[stage, path]
                 assert_same(got["parameters"], rank["plain ddp"])
@@ -134,7 +134,7 @@ def test_cross_check_against_torch_ddp_and_fsdp2():
     for rank in results(CROSS_CHECK):
         assert_same(rank["torch ddp"], single_process())
         assert_same(rank["fsdp2"], rank["torch ddp"])
-        for stage in zero.STAGES:
+        for stage in zero.ZERO_STAGES:
             assert_same(rank[stage, "torch"]["parameters"], rank["fsdp2"])
 
 
@@ -142,7 +142,7 @@ def test_cross_check_against_torch_ddp_and_fsdp2():
 def test_memory_per_rank_is_the_papers_formula_plus_padding_and_one_unit(world_size):
     psi = sum(UNITS)
     for rank in results(world_size):
-        for stage in zero.STAGES:
+        for stage in zero.ZERO_STAGES:
             got = rank[stage, "torch"]
             assert got["unit_sizes"] == UNITS
             peak = {part: got["peak"][part] for part in zero.PARTS}
@@ -165,7 +165,7 @@ def test_memory_per_rank_is_the_papers_formula_plus_padding_and_one_unit(world_s
         # share of the model (here 80 of 153 parameters: at 2 ranks stage 3 peaks above stage 1)
         settled = [
             sum(got["samples"][-1][part] for part in zero.PARTS)
-            for got in (rank[stage, "torch"] for stage in zero.STAGES)
+            for got in (rank[stage, "torch"] for stage in zero.ZERO_STAGES)
         ]
         assert all(got["samples"][-1]["where"] == "after step" for got in rank.values()
                    if isinstance(got, dict) and "samples" in got)  # fmt: skip
@@ -183,14 +183,14 @@ def test_bytes_through_the_collectives(world_size):
     padded = sum(padded_size(n, world_size) for n in UNITS) * F64
     for rank in results(world_size):
         for path in ("torch", "dmlbook"):
-            passed = [rank[stage, path]["passed_bytes"] for stage in zero.STAGES]
+            passed = [rank[stage, path]["passed_bytes"] for stage in zero.ZERO_STAGES]
             assert passed[0] == {"all_reduce": padded, "reduce_scatter": 0, "all_gather": 0}
             for stage in (1, 2):
                 assert passed[stage] == {"all_reduce": 0, "reduce_scatter": padded,
                                          "all_gather": padded}  # fmt: skip
             assert passed[3] == {"all_reduce": 0, "reduce_scatter": padded,
                                  "all_gather": 2 * padded}  # fmt: skip
-        for stage in zero.STAGES:
+        for stage in zero.ZERO_STAGES:
             sent = rank[stage, "dmlbook"]["sent_bytes"]
             assert sent == zero.comm_bytes_per_step(padded // F64, world_size, stage, F64)
         if world_size > 1:
@@ -243,7 +243,7 @@ def test_every_stage_on_a_gpu_equals_single_process():
     """One GPU, no process group (world size 1): the flat buffers, hooks and freed storages work
     on CUDA tensors too. GPU and CPU matmuls round differently, hence the looser tolerance."""
     want = single_process()
-    for stage in zero.STAGES:
+    for stage in zero.ZERO_STAGES:
         engine = zero.zero_data_parallel(make_model().cuda(), stage, lr=LR)
         for x, y in batches():
             engine.zero_grad()

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dmlbook.bench.common import _write_json
+from dmlbook.bench.common import write_json
 from dmlbook.comm import collectives, gloo_thread
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.launch import device, run
@@ -178,7 +178,7 @@ def bench_allreduce(
                 f"{algorithm:>20s} {_human(nbytes):>10s} {1e3 * median_s:8.3f}ms "
                 f"{1e3 * baseline:8.3f}ms {median_s / baseline:5.2f}x {busbw:10.2f}"
             )
-    _write_json(records, json_path)
+    write_json(records, json_path)
     return records
 
 

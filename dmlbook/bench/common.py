@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 
 
-def _report(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> dict:
+def report_ratio(name: str, ours: list[float], theirs: list[float], unit: str = "s") -> dict:
     """Print one figure beside its baseline (medians, their ratio); return it as a record."""
     a, b = statistics.median(ours), statistics.median(theirs)
     print(f"{name:38s} ours {a:8.3f} {unit}   torch {b:8.3f} {unit}   ratio {a / b:5.2f}x")
     return dict(name=name, median=a, baseline_median=b, ratio=a / b, unit=unit, runs=len(ours))
 
 
-def _write_json(records: list[dict], path: str | None) -> None:
+def write_json(records: list[dict], path: str | None) -> None:
     """Write ``records`` to ``path`` whole or not at all (a temporary file, then a rename)."""
     if path:
         partial = f"{path}.{os.getpid()}.partial"
@@ -33,12 +33,13 @@ def _write_json(records: list[dict], path: str | None) -> None:
         print(f"wrote {len(records)} records to {path}")
 
 
-def _load_average() -> str:
+def load_average() -> str:
     """Timings on a shared box mean little without it."""
     return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start"
 
 
-def _one_all_reduce() -> float:
+def one_all_reduce() -> float:
+    """Rank function: one all-reduce of one element (what warms a process group)."""
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()

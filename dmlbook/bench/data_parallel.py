@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
-from dmlbook.bench.common import _report
+from dmlbook.bench.common import report_ratio
 from dmlbook.launch import run
 from dmlbook.models import mlp
 
@@ -63,7 +63,7 @@ def bench_data_parallel(world_size: int = 2, steps: int = 40) -> list[dict]:
         ms = {name: [1e3 * t for t in ts] for name, ts in times.items()}
         for name in ("flat", "per_parameter"):
             label = f"DP step, {name}, MLP {hidden}x2, ws {world_size}"
-            record = _report(label, ms[name], ms["torch"], unit="ms")
+            record = report_ratio(label, ms[name], ms["torch"], unit="ms")
             pairs = sorted(a / b for a, b in zip(ms[name], ms["torch"], strict=True))
             q = statistics.quantiles(pairs, n=4)
             print(f"{'':38s} step by step ratio: quartiles {q[0]:.2f}-{q[2]:.2f}x")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
-from dmlbook.bench.common import _load_average, _write_json
+from dmlbook.bench.common import load_average, write_json
 from dmlbook.launch import device, run
 from dmlbook.models import char_gpt, mlp
 
@@ -102,7 +102,7 @@ def bench_ddp(
     print(
         f"DDP step (forward, backward, SGD step), world size {world_size}, median of {steps} "
         f"steps after {warmup} warm-up (slowest rank), bucket_cap_mb={bucket_cap_mb:g}, "
-        f"{_load_average()}"
+        f"{load_average()}"
     )
     print(f"{'model':>9s} {'implementation':>15s} {'median':>10s} {'vs torch':>8s}  collectives")
     records = []
@@ -133,5 +133,5 @@ def bench_ddp(
                 f"{collectives}"
             )
         print(f"{'':>9s} ({DDP_MODELS[name][0]})")
-    _write_json(records, json_path)
+    write_json(records, json_path)
     return records

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dmlbook.bench.common import _load_average, _write_json
+from dmlbook.bench.common import load_average, write_json
 from dmlbook.cpu_wait import cpu_wait_in_burst
 from dmlbook.launch import device, run
 from dmlbook.models import mlp
@@ -166,7 +166,7 @@ def on_cpu_clock(results: list[dict], case, timelines: list) -> list[list]:
     for by_rank in zip(*(r[case] for r in results), strict=True):
         if by_rank[0].timeline is timelines[0]:
             return [
-                [pp.OpRecord(r.op, r.microbatch, 0.0, cpu) for r, cpu in
+                [pp.OpRecord(r.op, r.microbatch, 0.0, cpu, r.chunk) for r, cpu in
                  zip(result.timeline, result.op_cpu, strict=True)]
                 for result in by_rank
             ]  # fmt: skip
@@ -247,7 +247,7 @@ def bench_pipeline(
     )
     print(
         f"pipeline step, {stages} stages, MLP {depth} x Linear({width}, {width}), batch {batch}, "
-        f"median of {steps} steps (slowest stage), {_load_average()}; a compute burst lost up "
+        f"median of {steps} steps (slowest stage), {load_average()}; a compute burst lost up "
         f"to {measured[0]['cores_busy']:.0%} waiting for a CPU (before and after)\n"
         "bubble: measured idle fraction, the median and the least of any step (best);\n"
         "packed: the same op times with instant messages; wait: a stage's time blocked in\n"
@@ -299,7 +299,7 @@ def bench_pipeline(
         )
     if versus_torch:
         records += bench_schedules()
-    _write_json(records, json_path)
+    write_json(records, json_path)
     return records
 
 

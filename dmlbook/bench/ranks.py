@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from dmlbook.bench.common import _one_all_reduce
+from dmlbook.bench.common import one_all_reduce
 from dmlbook.launch import run
 
 EMPTY, ALL_REDUCE = "pass", "dist.all_reduce(t)"
@@ -64,7 +64,7 @@ def bench_ranks(world_sizes=(2, 4), repeats: int = 200, launches: int = 20) -> l
             times = _times_ms(_cell_runner(shell, f"%%ranks\n{source}"), repeats)
             rows.append(_row(f"world size {world_size}: {what} %%ranks cell", times))
         shell.run_line_magic("ranks", "stop")
-        for what, fn in (("empty", _empty), ("one-element all-reduce", _one_all_reduce)):
+        for what, fn in (("empty", _empty), ("one-element all-reduce", one_all_reduce)):
             times = _times_ms(lambda fn=fn, n=world_size: run(fn, n), launches, warmup=2)
             rows.append(_row(f"world size {world_size}: {what} fn, launch.run", times))
         rows += _bench_px(world_size, repeats)

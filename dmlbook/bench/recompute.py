@@ -7,7 +7,7 @@ Activation bytes saved and step-time overhead at sqrt(n) segments, ours and
 
 from __future__ import annotations
 
-from dmlbook.bench.common import _load_average, _write_json
+from dmlbook.bench.common import load_average, write_json
 
 
 def bench_recompute(repeats: int = 10, json_path: str | None = None) -> list[dict]:
@@ -16,12 +16,12 @@ def bench_recompute(repeats: int = 10, json_path: str | None = None) -> list[dic
     from dmlbook.model_parallel import recompute
 
     records = recompute.benchmark(repeats=repeats)
-    print(f"recomputation at sqrt(n) segments, median of {repeats} steps, {_load_average()}")
+    print(f"recomputation at sqrt(n) segments, median of {repeats} steps, {load_average()}")
     for r in records:
         print(
             f"{r['model']:9s} {r['implementation']:6s} {r['segments']:2d} of {r['layers']:2d} "
             f"segments: {100 * r['activation_bytes_saved_fraction']:5.1f}% less activation "
             f"memory, {100 * r['time_overhead_fraction']:+6.1f}% step time"
         )
-    _write_json(records, json_path)
+    write_json(records, json_path)
     return records

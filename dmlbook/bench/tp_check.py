@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from dmlbook.bench.common import _load_average, _write_json
+from dmlbook.bench.common import load_average, write_json
 from dmlbook.launch import run
 
 __all__ = ["bench_tp_check"]
@@ -160,7 +160,7 @@ def bench_tp_check(
     world_sizes: tuple[int, ...] = (2, 3), repeats: int = 60, json_path: str | None = None
 ) -> list[dict]:
     """A TP + SP step with and without the shape checks, per model and world size."""
-    print(f"TP + SP step, forward + backward, with and without the shape check; {_load_average()}")
+    print(f"TP + SP step, forward + backward, with and without the shape check; {load_average()}")
     print(f"slowest rank's step: median [10th to 90th percentile] of {repeats} steps each way")
     records = []
     for world in world_sizes:
@@ -184,5 +184,5 @@ def bench_tp_check(
             record["extra_fraction"] = record["extra_median_s"] / record["unchecked_median_s"]
             _print(record)
             records.append(record)
-    _write_json(records, json_path)
+    write_json(records, json_path)
     return records

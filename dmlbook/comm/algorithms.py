@@ -2,32 +2,35 @@
 naive (chapter 2; the tree and the reduced-precision ring in chapter 4).
 
 Each function here is one algorithm written as the messages each rank sends and receives through
-a :class:`~dmlbook.comm.p2p._Comm`, on a flat tensor changed in place; the checks, the tensor's
+a :class:`~dmlbook.comm.p2p.Comm`, on a flat tensor changed in place; the checks, the tensor's
 shape and ``AVG``'s final division are left to :mod:`dmlbook.comm.collectives`, which calls them.
 
-* ``_tree_reduce`` and ``_tree_broadcast`` walk a binomial tree: ceil(log2 p) rounds, each
+* ``tree_reduce`` and ``tree_broadcast`` walk a binomial tree: ceil(log2 p) rounds, each
   halving (or doubling) the number of ranks that hold the data. ``reduce`` and ``broadcast``
   are these; the tree all-reduce is one then the other (chapter 4);
 * :func:`ring_reduce_scatter_step` is the ring's reduce-scatter as chapter 2 teaches it: one
   step, one chunk each way, on the world group. :func:`ring_reduce_scatter` runs its p-1 steps.
   They are the reference that the optimised ring below is tested equal to;
-* ``_ring_reduce_scatter`` and ``_ring_all_gather`` go round a ring, one chunk per step. Each
-  chunk is cut into slices that flow through the ring back to back, so that reducing one slice
-  overlaps receiving the next. The ring all-reduce is one then the other: every rank sends
-  2(p-1)/p of the tensor, the least any algorithm can. With a ``wire`` dtype (chapter 4, beside
-  gradient compression) chunks travel in bf16 or fp16, half the bytes of fp32, while every
+* ``sliced_ring_reduce_scatter`` and ``sliced_ring_all_gather`` go round a ring, one chunk per
+  step. Each chunk is cut into slices that flow through the ring back to back, so that reducing
+  one slice overlaps receiving the next. The ring all-reduce is one then the other: every rank
+  sends 2(p-1)/p of the tensor, the least any algorithm can. With a ``wire`` dtype (chapter 4,
+  beside gradient compression) chunks travel in bf16 or fp16, half the bytes of fp32, while every
   addition happens in the tensor's own precision. Each partial sum is rounded once per hop and
   the result once more before it goes round, so the error grows with the ring's length and not
   with the precision of the sums; every rank still ends with the same bits.
   :func:`chunk_holdings` replays a ring all-reduce's recorded sends to show which chunk sits
   where after each step;
-* ``_recursive_doubling_all_reduce``: log2 p rounds of pairwise exchange of the whole tensor; the
+* ``recursive_doubling_all_reduce``: log2 p rounds of pairwise exchange of the whole tensor; the
   ranks beyond the largest power of two first hand their data to a partner and get the result
   back;
-* ``_naive_all_reduce``: everyone sends to rank 0, which reduces and sends the result back, as a
+* the naive all-reduce: everyone sends to rank 0, which reduces and sends the result back, as a
   parameter server does.
 
-:data:`ALGORITHMS` names the four all-reduces, whose costs :mod:`dmlbook.comm.costmodel` models.
+:data:`ALGORITHMS` names the four all-reduces, whose costs :mod:`dmlbook.comm.costmodel` models,
+and :data:`ALL_REDUCE_BY_NAME` maps each name to its function. The functions taking a ``comm``
+are public for :mod:`dmlbook.comm.collectives`, which calls them (and chapter 2's exercises,
+which switch them off): a learner calls the collectives.
 """
 
 from __future__ import annotations
@@ -38,12 +41,19 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.comm.groups import RING_SLICE_BYTES, ring_schedule, ring_slices
-from dmlbook.comm.p2p import _combine, _Comm, _scratch
+from dmlbook.comm.p2p import Comm, combine, scratch_buffer
 from dmlbook.comm.shapecheck import ShapeCheck, fits_inline
 from dmlbook.comm.trace import Send
 
 __all__ = [
     "ALGORITHMS",
+    "ALL_REDUCE_BY_NAME",
+    "recursive_doubling_all_reduce",
+    "sliced_ring_all_gather",
+    "sliced_ring_all_reduce",
+    "sliced_ring_reduce_scatter",
+    "tree_broadcast",
+    "tree_reduce",
     "ring_reduce_scatter",
     "ring_reduce_scatter_step",
     "AUTO_RING_FROM_BYTES",
@@ -60,14 +70,14 @@ ALGORITHMS = ("ring", "tree", "recursive_doubling", "naive")
 # --------------------------------------------------------------------------- trees
 
 
-def _tree_reduce(comm: _Comm, buf: torch.Tensor, root: int, op, step0: int = 0) -> None:
+def tree_reduce(comm: Comm, buf: torch.Tensor, root: int, op, step0: int = 0) -> None:
     """Binomial-tree reduce of ``buf`` (changed in place) to group rank ``root``.
 
     In round k, every rank whose relative rank has bit k set sends what it holds to the rank 2^k
     below it and drops out; so ceil(log2 p) rounds, and the root ends with everything.
     """
     size, me = comm.size, (comm.rank - root) % comm.size
-    incoming = _scratch(buf.numel(), buf)
+    incoming = scratch_buffer(buf.numel(), buf)
     mask, step = 1, step0
     while mask < size:
         if me & mask:
@@ -76,12 +86,12 @@ def _tree_reduce(comm: _Comm, buf: torch.Tensor, root: int, op, step0: int = 0) 
             return
         if me + mask < size:
             comm.recv(incoming, (me + mask + root) % size, step)
-            _combine(buf, incoming, op)
+            combine(buf, incoming, op)
         mask <<= 1
         step += 1
 
 
-def _tree_broadcast(comm: _Comm, buf: torch.Tensor, root: int, step0: int = 0) -> None:
+def tree_broadcast(comm: Comm, buf: torch.Tensor, root: int, step0: int = 0) -> None:
     """Binomial-tree broadcast from group rank ``root``: the holders double every round."""
     size, me = comm.size, (comm.rank - root) % comm.size
     rounds = (size - 1).bit_length()  # the largest mask goes first: its round is step0
@@ -103,10 +113,10 @@ def _tree_broadcast(comm: _Comm, buf: torch.Tensor, root: int, step0: int = 0) -
     comm.wait_all()
 
 
-def _tree_all_reduce(comm: _Comm, flat: torch.Tensor, op, step0: int = 0) -> None:
+def _tree_all_reduce(comm: Comm, flat: torch.Tensor, op, step0: int = 0) -> None:
     rounds = math.ceil(math.log2(comm.size))
-    _tree_reduce(comm, flat, 0, op, step0)
-    _tree_broadcast(comm, flat, 0, step0 + rounds)
+    tree_reduce(comm, flat, 0, op, step0)
+    tree_broadcast(comm, flat, 0, step0 + rounds)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -135,8 +145,8 @@ def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
         ring_reduce_scatter_step(chunks, step)
 
 
-def _ring_reduce_scatter(
-    comm: _Comm,
+def sliced_ring_reduce_scatter(
+    comm: Comm,
     flat: torch.Tensor,
     op,
     chunks,
@@ -163,7 +173,7 @@ def _ring_reduce_scatter(
     if slices is None:
         slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
     longest = max(b - a for a, b in chunks)
-    scratch = _scratch(2 * longest, flat, wire)  # two steps' chunks: this one's and the next
+    scratch = scratch_buffer(2 * longest, flat, wire)  # two steps' chunks: this one's and the next
 
     def on_wire(a: int, b: int) -> torch.Tensor:
         return flat[a:b] if wire == flat.dtype else flat[a:b].to(wire)
@@ -203,13 +213,13 @@ def _ring_reduce_scatter(
         for a, b, work, got in recvs:
             if work is not None:
                 work.wait()
-            _combine(flat[a:b], got, op)
+            combine(flat[a:b], got, op)
             if not last:  # forward the freshly reduced slice straight away
                 comm.isend(on_wire(a, b), right, step + 1, "reduce-scatter", c)
         recvs = nxt
 
 
-def _all_gather_receives(comm: _Comm, flat: torch.Tensor, slices, step0: int, step: int):
+def _all_gather_receives(comm: Comm, flat: torch.Tensor, slices, step0: int, step: int):
     """Post the receives of all-gather step ``step``: chunk (r-step-1) mod p, slice by slice
     (``slices[c]``), from the left neighbour, straight into ``flat``.
     Returns (start, stop, receive) per slice."""
@@ -217,7 +227,9 @@ def _all_gather_receives(comm: _Comm, flat: torch.Tensor, slices, step0: int, st
     return [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
 
 
-def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0, slices=None) -> None:
+def sliced_ring_all_gather(
+    comm: Comm, flat: torch.Tensor, chunks, step0: int = 0, slices=None
+) -> None:
     """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived."""
     size, rank = comm.size, comm.rank
     if size == 1:
@@ -242,7 +254,7 @@ def _ring_all_gather(comm: _Comm, flat: torch.Tensor, chunks, step0: int = 0, sl
     comm.wait_all()
 
 
-def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None) -> None:
+def sliced_ring_all_reduce(comm: Comm, flat: torch.Tensor, op, wire=None, check=None) -> None:
     """Reduce-scatter, then all-gather: 2(p-1) steps of one chunk each way.
 
     The schedule (chunks and slices) is worked out once per shape (:func:`ring_schedule`).
@@ -253,15 +265,15 @@ def _ring_all_reduce(comm: _Comm, flat: torch.Tensor, op, wire=None, check=None)
     against 702 and 828 (medians of 41, two launches, on the busy machine).
     """
     chunks, slices = ring_schedule(flat.numel(), comm.size, flat.element_size())
-    _ring_reduce_scatter(comm, flat, op, chunks, wire, check, slices)
+    sliced_ring_reduce_scatter(comm, flat, op, chunks, wire, check, slices)
     # (the all-gather's comm.wait_all() finishes the reduce-scatter's last sends too)
     if wire is None or wire == flat.dtype:
-        _ring_all_gather(comm, flat, chunks, comm.size - 1, slices)
+        sliced_ring_all_gather(comm, flat, chunks, comm.size - 1, slices)
         return
     # The reduced chunks go round as they travel: rounded to the wire dtype, the owner's own
     # chunk included, so that every rank ends with the same bits.
     low = flat.to(wire)
-    _ring_all_gather(comm, low, chunks, comm.size - 1, slices)
+    sliced_ring_all_gather(comm, low, chunks, comm.size - 1, slices)
     flat.copy_(low)
 
 
@@ -291,8 +303,8 @@ def chunk_holdings(sends: list[Send], world_size: int) -> list[list[list[frozens
 # ---------------------------------------------------------------- recursive doubling and naive
 
 
-def _recursive_doubling_all_reduce(
-    comm: _Comm, flat: torch.Tensor, op, check: ShapeCheck | None = None
+def recursive_doubling_all_reduce(
+    comm: Comm, flat: torch.Tensor, op, check: ShapeCheck | None = None
 ) -> None:
     """Pairwise exchange of the whole tensor with the rank 2^k away, for k = 0, 1, ...
 
@@ -305,7 +317,7 @@ def _recursive_doubling_all_reduce(
     size, rank = comm.size, comm.rank
     pow2 = 1 << (size.bit_length() - 1)
     extra = size - pow2
-    incoming = _scratch(flat.numel(), flat)
+    incoming = scratch_buffer(flat.numel(), flat)
     step, mask = 0, 1
     if check is not None and extra == 0:  # round one: header + tensor, one message each way
         partner = rank ^ 1
@@ -321,7 +333,7 @@ def _recursive_doubling_all_reduce(
         else:
             got = got[: flat.numel() * flat.element_size()].view(flat.dtype)
         comm.wait_all()
-        _combine(flat, got, op)
+        combine(flat, got, op)
         mask = 2
     elif check is not None:
         check.exchange()
@@ -332,7 +344,7 @@ def _recursive_doubling_all_reduce(
             comm.recv(flat, rank + 1, step + 1 + pow2.bit_length() - 1)
             return
         comm.recv(incoming, rank - 1, step)
-        _combine(flat, incoming, op)
+        combine(flat, incoming, op)
         virtual = rank // 2
     else:
         virtual = rank - extra
@@ -347,7 +359,7 @@ def _recursive_doubling_all_reduce(
         comm.isend(flat, partner, step, "exchange")
         work.wait()
         comm.wait_all()
-        _combine(flat, incoming, op)
+        combine(flat, incoming, op)
         mask <<= 1
         step += 1
     if rank < 2 * extra:  # odd partner of an even rank that sat out
@@ -355,13 +367,13 @@ def _recursive_doubling_all_reduce(
         comm.wait_all()
 
 
-def _naive_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
+def _naive_all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
     """Everyone sends to rank 0, one after another through its link; it sends the result back."""
     if comm.rank == 0:
-        incoming = _scratch(flat.numel(), flat)
+        incoming = scratch_buffer(flat.numel(), flat)
         for src in range(1, comm.size):
             comm.recv(incoming, src, 0)
-            _combine(flat, incoming, op)
+            combine(flat, incoming, op)
         for dst in range(1, comm.size):
             comm.isend(flat, dst, 1, "send back")
         comm.wait_all()
@@ -383,7 +395,7 @@ def _naive_all_reduce(comm: _Comm, flat: torch.Tensor, op) -> None:
 # 2 ranks both send the same bytes, and recursive doubling takes one step instead of two, but each
 # rank adds the whole tensor where the ring's adds half of it (and overlaps that with its
 # receives). With gloo's threads at nice 19 (comm/gloo_thread.py) and the ring holding its
-# receives to the end (p2p._Comm), two `bench allreduce` runs (medians, ms) put them level at
+# receives to the end (p2p.Comm), two `bench allreduce` runs (medians, ms) put them level at
 # 2 MiB (ring 1.52-1.93, recursive doubling 1.58-1.72), and the ring ahead from 4 MiB (2.09-2.51
 # against 2.93-3.25; 8 MiB 5.2-6.4 against 6.7; 32 MiB 19.0-19.2 against 20.3-20.9), as in three
 # runs at 64 MiB (1.04-1.09x gloo against 1.23-1.26x); below, recursive doubling stays ahead (64
@@ -402,9 +414,10 @@ def choose_all_reduce(nbytes: int, world_size: int) -> str:
     return "ring"
 
 
-_ALL_REDUCE = {
-    "ring": _ring_all_reduce,
+# Each of ALGORITHMS' all-reduces, by name: what collectives.all_reduce(algorithm=...) runs.
+ALL_REDUCE_BY_NAME = {
+    "ring": sliced_ring_all_reduce,
     "tree": _tree_all_reduce,
-    "recursive_doubling": _recursive_doubling_all_reduce,
+    "recursive_doubling": recursive_doubling_all_reduce,
     "naive": _naive_all_reduce,
 }

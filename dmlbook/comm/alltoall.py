@@ -20,8 +20,9 @@ Three layers, as in :mod:`dmlbook.advanced.tensor_parallel`:
   splits swapped): the gradient of a row goes back to the rank it came from.
 
 Every message is recorded as a :class:`dmlbook.comm.trace.Send` (collective
-``"all_to_all"``, phase ``"exchange"``), so ``with collectives.recording() as sends:`` counts the
-traffic; the check's all-gather of sizes is real traffic too, and shows as ``"all_gather"``.
+``"all_to_all"``, phase ``"exchange"``), so ``with collectives.recording_sends() as sends:``
+counts the traffic; the check's all-gather of sizes is real traffic too, and shows as
+``"all_gather"``.
 """
 
 from __future__ import annotations

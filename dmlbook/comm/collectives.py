@@ -26,7 +26,7 @@ tensor length, including lengths shorter than the world size, and leaves every r
 same bits. Each call first checks, in one extra round, that all ranks passed the same shape and
 dtype (``check=False`` skips it), so a mismatch is a ValueError naming the ranks, not a hang.
 
-Inside ``with recording() as sends:`` every message a rank sends is appended to ``sends`` as a
+Inside ``with recording_sends() as sends:`` every message a rank sends is appended to ``sends`` as a
 :class:`Send` (collective, phase, step, src, dst, bytes, chunk); :func:`chunk_holdings` replays a
 ring all-reduce's sends to show which chunk sits where after each step.
 """
@@ -40,29 +40,29 @@ from torch.distributed import ReduceOp
 
 from dmlbook.comm import shm, trace
 from dmlbook.comm.algorithms import (
-    _ALL_REDUCE,
     ALGORITHMS,
+    ALL_REDUCE_BY_NAME,
     AUTO_RING_FROM_BYTES,
-    _recursive_doubling_all_reduce,
-    _ring_all_gather,
-    _ring_all_reduce,
-    _ring_reduce_scatter,
-    _tree_broadcast,
-    _tree_reduce,
     choose_all_reduce,
     chunk_holdings,
+    recursive_doubling_all_reduce,
+    sliced_ring_all_gather,
+    sliced_ring_all_reduce,
+    sliced_ring_reduce_scatter,
+    tree_broadcast,
+    tree_reduce,
 )
 
 # A copy, for reading: to change how the ring slices, set comm.groups.RING_SLICE_BYTES.
 from dmlbook.comm.groups import RING_SLICE_BYTES as RING_SLICE_BYTES
 from dmlbook.comm.p2p import (
-    _DTYPES,
-    _check_op,
-    _check_tensor,
-    _Comm,
-    _finish_avg,
-    _flat,
-    _write_back,
+    DTYPES,
+    Comm,
+    check_op,
+    check_tensor,
+    finish_avg,
+    flat_view,
+    write_back,
 )
 from dmlbook.comm.shapecheck import ShapeCheck
 from dmlbook.comm.trace import Send
@@ -77,14 +77,14 @@ __all__ = [
     "broadcast",
     "chunk_holdings",
     "gather",
-    "recording",
+    "recording_sends",
     "reduce",
     "reduce_scatter",
     "scatter",
 ]
 
 
-def recording() -> AbstractContextManager[list[Send]]:
+def recording_sends() -> AbstractContextManager[list[Send]]:
     """Record every message this rank sends inside the block into the yielded list
     (:func:`dmlbook.comm.trace.recording` of :class:`Send` events)."""
     return trace.recording(Send)
@@ -93,7 +93,7 @@ def recording() -> AbstractContextManager[list[Send]]:
 # --------------------------------------------------------------------------- the shape check
 
 
-def _check_same_shape(comm: _Comm, tensor: torch.Tensor, what: str) -> None:
+def _check_same_shape(comm: Comm, tensor: torch.Tensor, what: str) -> None:
     """The header alone to and from every peer (:class:`~dmlbook.comm.shapecheck.ShapeCheck`):
     a mismatch is a ValueError on every rank, naming the ranks that disagree, never a hang."""
     if comm.size > 1:
@@ -122,16 +122,16 @@ def all_reduce(
     chapter 4), and its size check is free.
     """
     if algorithm == "shm" and transfer_dtype is None:
-        return shm.all_reduce(tensor, op, group)
-    _check_tensor(tensor)
-    _check_op(op, tensor.dtype)
-    if algorithm not in _ALL_REDUCE and algorithm != "auto":
+        return shm.shm_all_reduce(tensor, op, group)
+    check_tensor(tensor)
+    check_op(op, tensor.dtype)
+    if algorithm not in ALL_REDUCE_BY_NAME and algorithm != "auto":
         raise ValueError(
             f"algorithm must be one of {ALGORITHMS}, 'auto' or 'shm', got {algorithm!r}"
         )
     if transfer_dtype is not None:
         _check_transfer_dtype(transfer_dtype, tensor.dtype, op, algorithm)
-    comm = _Comm(group, "all_reduce")
+    comm = Comm(group, "all_reduce")
     if not comm.member():
         return
     if comm.size == 1:
@@ -146,23 +146,23 @@ def all_reduce(
         _check_same_shape(comm, tensor, "tensor shapes or dtypes")
     if tensor.numel() == 0:
         return
-    flat = _flat(tensor)
+    flat = flat_view(tensor)
     what = "tensor shapes or dtypes"
     shapes = ShapeCheck(comm, tensor, what, transfer_dtype) if carried else None
     if algorithm == "ring":
-        _ring_all_reduce(comm, flat, op, transfer_dtype, shapes)
+        sliced_ring_all_reduce(comm, flat, op, transfer_dtype, shapes)
     elif algorithm == "recursive_doubling":
-        _recursive_doubling_all_reduce(comm, flat, op, shapes)
+        recursive_doubling_all_reduce(comm, flat, op, shapes)
     else:
-        _ALL_REDUCE[algorithm](comm, flat, op)
-    _finish_avg(flat, op, comm.size)
-    _write_back(tensor, flat)
+        ALL_REDUCE_BY_NAME[algorithm](comm, flat, op)
+    finish_avg(flat, op, comm.size)
+    write_back(tensor, flat)
 
 
 def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: str) -> None:
     if algorithm not in ("ring", "auto"):
         raise ValueError(f"transfer_dtype is a ring option; algorithm={algorithm!r} sends as is")
-    if not (wire.is_floating_point and dtype.is_floating_point) or wire not in _DTYPES:
+    if not (wire.is_floating_point and dtype.is_floating_point) or wire not in DTYPES:
         raise TypeError(f"transfer_dtype={wire} for a {dtype} tensor: both must be floating")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"transfer_dtype rounds partial sums: op must be SUM or AVG, got {op}")
@@ -171,7 +171,7 @@ def _check_transfer_dtype(wire: torch.dtype, dtype: torch.dtype, op, algorithm: 
 def _tree_setup(name: str, tensor, root_rank: int, root_name: str, group, check: bool):
     """What reduce and broadcast check first. Returns (comm, the root's group rank), or None
     when this rank has nothing to do: outside ``group``, alone in it, or an empty tensor."""
-    comm = _Comm(group, name)
+    comm = Comm(group, name)
     if not comm.member():
         return None
     root = comm.group_rank(root_rank, root_name)
@@ -187,27 +187,27 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, check: b
 
     Only ``dst``'s tensor changes; the other ranks' tensors are left as they were.
     """
-    _check_tensor(tensor)
-    _check_op(op, tensor.dtype)
+    check_tensor(tensor)
+    check_op(op, tensor.dtype)
     if (setup := _tree_setup("reduce", tensor, dst, "dst", group, check)) is None:
         return
     comm, root = setup
-    work = tensor.detach().clone().view(-1) if comm.rank != root else _flat(tensor)
-    _tree_reduce(comm, work, root, op)
+    work = tensor.detach().clone().view(-1) if comm.rank != root else flat_view(tensor)
+    tree_reduce(comm, work, root, op)
     if comm.rank == root:
-        _finish_avg(work, op, comm.size)
-        _write_back(tensor, work)
+        finish_avg(work, op, comm.size)
+        write_back(tensor, work)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, check: bool = True) -> None:
     """Copy global rank ``src``'s ``tensor`` into every rank's ``tensor`` (binomial tree)."""
-    _check_tensor(tensor)
+    check_tensor(tensor)
     if (setup := _tree_setup("broadcast", tensor, src, "src", group, check)) is None:
         return
     comm, root = setup
-    flat = _flat(tensor)
-    _tree_broadcast(comm, flat, root)
-    _write_back(tensor, flat)
+    flat = flat_view(tensor)
+    tree_broadcast(comm, flat, root)
+    write_back(tensor, flat)
 
 
 def _check_list(tensors, size: int, like: torch.Tensor, name: str) -> None:
@@ -215,7 +215,7 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str) -> None:
         got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
         raise ValueError(f"{name} must be a list of {size} tensors (one per rank), got {got}")
     for i, t in enumerate(tensors):
-        _check_tensor(t, f"{name}[{i}]")
+        check_tensor(t, f"{name}[{i}]")
         if t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(
                 f"{name}[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}; "
@@ -226,8 +226,8 @@ def _check_list(tensors, size: int, like: torch.Tensor, name: str) -> None:
 def _rooted(name: str, tensor, tensors, root_rank: int, root_name: str, group, check: bool):
     """Checks shared by gather and scatter: only the root passes a list of one tensor per rank.
     Returns (comm, root's group rank), or (None, None) on a rank outside ``group``."""
-    _check_tensor(tensor)
-    comm = _Comm(group, name)
+    check_tensor(tensor)
+    comm = Comm(group, name)
     if not comm.member():
         return None, None
     root = comm.group_rank(root_rank, root_name)
@@ -284,17 +284,17 @@ def scatter(
                 comm.isend(scatter_list[r].contiguous(), r, 0, "scatter")
         comm.wait_all()
     else:
-        flat = _flat(tensor)
+        flat = flat_view(tensor)
         comm.recv(flat, root, 0)
-        _write_back(tensor, flat)
+        write_back(tensor, flat)
 
 
 def all_gather(
     tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, check: bool = True
 ) -> None:
     """Every rank ends with every rank's ``tensor``: ``tensor_list[i]`` is group rank i's (ring)."""
-    _check_tensor(tensor)
-    comm = _Comm(group, "all_gather")
+    check_tensor(tensor)
+    comm = Comm(group, "all_gather")
     if not comm.member():
         return
     _check_list(tensor_list, comm.size, tensor, "tensor_list")
@@ -303,7 +303,7 @@ def all_gather(
     n = tensor.numel()
     flat = torch.empty(comm.size * n, dtype=tensor.dtype, device=tensor.device)
     flat[comm.rank * n : (comm.rank + 1) * n] = tensor.reshape(-1)
-    _ring_all_gather(comm, flat, [(r * n, (r + 1) * n) for r in range(comm.size)])
+    sliced_ring_all_gather(comm, flat, [(r * n, (r + 1) * n) for r in range(comm.size)])
     for r, out in enumerate(tensor_list):
         out.copy_(flat[r * n : (r + 1) * n].view(tensor.shape))
 
@@ -316,9 +316,9 @@ def reduce_scatter(
     check: bool = True,
 ) -> None:
     """Reduce ``input_list[i]`` over the ranks into group rank i's ``output`` (ring)."""
-    _check_tensor(output, "output")
-    _check_op(op, output.dtype)
-    comm = _Comm(group, "reduce_scatter")
+    check_tensor(output, "output")
+    check_op(op, output.dtype)
+    comm = Comm(group, "reduce_scatter")
     if not comm.member():
         return
     _check_list(input_list, comm.size, output, "input_list")
@@ -326,8 +326,8 @@ def reduce_scatter(
         _check_same_shape(comm, output, "output shapes or dtypes")
     n = output.numel()
     flat = torch.cat([t.reshape(-1) for t in input_list]) if n else output.new_empty(0)
-    _ring_reduce_scatter(comm, flat, op, [(r * n, (r + 1) * n) for r in range(comm.size)])
+    sliced_ring_reduce_scatter(comm, flat, op, [(r * n, (r + 1) * n) for r in range(comm.size)])
     comm.wait_all()  # its last sends
     mine = flat[comm.rank * n : (comm.rank + 1) * n]
-    _finish_avg(mine, op, comm.size)
+    finish_avg(mine, op, comm.size)
     output.copy_(mine.view(output.shape))

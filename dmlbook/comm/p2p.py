@@ -4,13 +4,17 @@
 :mod:`dmlbook.comm.collectives` wraps them in ``torch.distributed``'s signatures. Both stand on
 what is here:
 
-* ``_Comm``: a rank's view of a group, its rank and size there, and messages addressed by group
-  rank. Inside ``with collectives.recording() as sends:`` every message sent through it is
+* ``Comm``: a rank's view of a group, its rank and size there, and messages addressed by group
+  rank. Inside ``with collectives.recording_sends() as sends:`` every message sent through it is
   recorded as a :class:`~dmlbook.comm.trace.Send`; outside, the record costs nothing;
-* the checks every collective makes first: a supported dtype, a supported ``ReduceOp``;
-* ``_combine``, the reduction itself (AVG sums and divides once at the end, ``_finish_avg``);
-* ``_scratch``, receive buffers kept from call to call, and ``_flat``/``_write_back``, which let
-  the algorithms work on a flat view of any tensor, contiguous or not.
+* the checks every collective makes first: a supported dtype (``DTYPES``, ``check_tensor``), a
+  supported ``ReduceOp`` (``check_op``);
+* ``combine``, the reduction itself (AVG sums and divides once at the end, ``finish_avg``);
+* ``scratch_buffer``, receive buffers kept from call to call, and ``flat_view``/``write_back``,
+  which let the algorithms work on a flat view of any tensor, contiguous or not.
+
+They are public because the modules beside this one use them (``algorithms``, ``collectives``,
+``shm`` and ``shapecheck``); a chapter reads the collectives, not this plumbing.
 """
 
 from __future__ import annotations
@@ -22,10 +26,23 @@ from torch.distributed import ReduceOp
 from dmlbook.comm import trace
 from dmlbook.comm.trace import Send
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+__all__ = [
+    "DTYPES",
+    "Comm",
+    "check_op",
+    "check_tensor",
+    "combine",
+    "finish_avg",
+    "flat_view",
+    "scratch_buffer",
+    "write_back",
+]
+
+# The dtypes every from-scratch collective accepts (as gloo does).
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 
 
-class _Comm:
+class Comm:
     """A rank's view of a group: its rank and size there, and messages addressed by group rank
     (translated to global ranks for ``dist.isend``, as ``torch.distributed`` wants).
 
@@ -85,7 +102,7 @@ class _Comm:
         self.in_flight.append(t)
 
     def record(self, t: torch.Tensor, peer: int, step: int, phase: str, chunk=None) -> None:
-        """Count ``t`` as a message to ``peer`` in any open ``recording()`` block."""
+        """Count ``t`` as a message to ``peer`` in any open ``recording_sends()`` block."""
         if trace.is_recording():
             nbytes = t.numel() * t.element_size()
             dst = self.global_rank(peer)
@@ -112,23 +129,25 @@ class _Comm:
         self.received.clear()
 
 
-def _check_tensor(tensor, name: str = "tensor") -> None:
+def check_tensor(tensor, name: str = "tensor") -> None:
+    """A TypeError unless ``tensor`` is a tensor of one of :data:`DTYPES`."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in _DTYPES:
+    if tensor.dtype not in DTYPES:
         raise TypeError(
-            f"{name} has dtype {tensor.dtype}; supported: {', '.join(map(str, _DTYPES))}"
+            f"{name} has dtype {tensor.dtype}; supported: {', '.join(map(str, DTYPES))}"
         )
 
 
-def _check_op(op, dtype: torch.dtype) -> None:
+def check_op(op, dtype: torch.dtype) -> None:
+    """A ValueError unless ``op`` is a supported ``ReduceOp`` (AVG: on a floating dtype)."""
     if op not in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX):
         raise ValueError(f"op must be ReduceOp.SUM, AVG, PRODUCT, MIN or MAX, got {op}")
     if op == ReduceOp.AVG and not dtype.is_floating_point:
         raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}")
 
 
-# Each ReduceOp as an elementwise torch function; AVG sums, and _finish_avg divides once at the end.
+# Each ReduceOp as an elementwise torch function; AVG sums, and finish_avg divides once at the end.
 _ELEMENTWISE = {
     ReduceOp.SUM: torch.add,
     ReduceOp.AVG: torch.add,
@@ -138,14 +157,13 @@ _ELEMENTWISE = {
 }
 
 
-def _combine(
-    acc: torch.Tensor, incoming: torch.Tensor, op, out: torch.Tensor | None = None
-) -> None:
+def combine(acc: torch.Tensor, incoming: torch.Tensor, op, out: torch.Tensor | None = None) -> None:
     """out <- acc (op) incoming; with no ``out``, into ``acc`` in place."""
     _ELEMENTWISE[op](acc, incoming, out=acc if out is None else out)
 
 
-def _finish_avg(t: torch.Tensor, op, size: int) -> None:
+def finish_avg(t: torch.Tensor, op, size: int) -> None:
+    """AVG's last step: divide the sum in ``t`` by ``size`` once (any other op: nothing)."""
     if op == ReduceOp.AVG:
         t.div_(size)
 
@@ -153,7 +171,9 @@ def _finish_avg(t: torch.Tensor, op, size: int) -> None:
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _scratch(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def scratch_buffer(
+    numel: int, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A receive buffer of ``numel`` elements on ``like``'s device (of its dtype, or ``dtype``),
     reused from call to call (as gloo and NCCL keep theirs): a fresh multi-megabyte buffer costs
     a page fault per 4 KiB the first time it is written, which at 2 GB/s links is a large share
@@ -166,11 +186,13 @@ def _scratch(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -
     return buf[:numel]
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one dimension: a view if contiguous, else a copy (see :func:`write_back`)."""
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
-def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy ``flat`` (from :func:`flat_view`) into ``tensor`` if it was a copy, not a view."""
     if tensor.is_contiguous():
         return  # flat is a view of tensor already
     tensor.copy_(flat.view(tensor.shape))

@@ -33,7 +33,7 @@ import struct
 import torch
 
 from dmlbook.comm.groups import balanced_blocks, ring_slices
-from dmlbook.comm.p2p import _DTYPES, _Comm
+from dmlbook.comm.p2p import DTYPES, Comm
 
 __all__ = ["HEADER_BYTES", "INLINE_BYTES", "MAX_DIMS", "ShapeCheck", "fits_inline"]
 
@@ -48,7 +48,7 @@ _WORDS = 5 + MAX_DIMS
 NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART = range(5)
 _FORMAT = f"={_WORDS}q"  # the header's words, as native 8-byte integers
 HEADER_BYTES = struct.calcsize(_FORMAT)
-_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 
 class ShapeCheck:
@@ -59,7 +59,7 @@ class ShapeCheck:
     this sits on the path of every small collective.
     """
 
-    def __init__(self, comm: _Comm, tensor: torch.Tensor, what: str, wire=None) -> None:
+    def __init__(self, comm: Comm, tensor: torch.Tensor, what: str, wire=None) -> None:
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"{comm.collective} supports tensors of up to {MAX_DIMS} dimensions")
         self.comm, self.what, self.device = comm, what, tensor.device
@@ -167,8 +167,8 @@ class ShapeCheck:
         def one(r: int) -> str:
             dims, dtype, wire = self.rows[r][:3]
             shape = tuple(self.rows[r][5 : 5 + dims])
-            extra = f" (wire {_DTYPES[wire]})" if wire != dtype else ""
-            return f"rank {self.comm.global_rank(r)}: {shape} {_DTYPES[dtype]}{extra}"
+            extra = f" (wire {DTYPES[wire]})" if wire != dtype else ""
+            return f"rank {self.comm.global_rank(r)}: {shape} {DTYPES[dtype]}{extra}"
 
         return ", ".join(one(r) for r in range(self.comm.size))
 
@@ -180,11 +180,11 @@ class ShapeCheck:
         the sender), or a partner's whole tensor."""
         dims, dtype, wire, numel, start = self.rows[peer][:5]
         if start == PAIR_APART:
-            self.comm.recv(torch.empty(numel, dtype=_DTYPES[wire], device=self.device), peer, 1)
+            self.comm.recv(torch.empty(numel, dtype=DTYPES[wire], device=self.device), peer, 1)
         elif start in (RING_INLINE, RING_APART):
-            sizes = ring_first_slices(numel, self.comm.size, peer, _DTYPES[dtype].itemsize)
+            sizes = ring_first_slices(numel, self.comm.size, peer, DTYPES[dtype].itemsize)
             for a, b in sizes[1 if start == RING_INLINE else 0 :]:  # the inline one has come
-                junk = torch.empty(b - a, dtype=_DTYPES[wire], device=self.device)
+                junk = torch.empty(b - a, dtype=DTYPES[wire], device=self.device)
                 self.comm.recv(junk, peer, 0)
 
 

@@ -66,16 +66,16 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from dmlbook.comm.groups import balanced_blocks
-from dmlbook.comm.p2p import _DTYPES, _check_op, _check_tensor, _combine, _finish_avg, _flat
+from dmlbook.comm.p2p import DTYPES, check_op, check_tensor, combine, finish_avg, flat_view
 
 __all__ = [
     "CELL_BYTES",
     "CELLS",
     "SLOT_BYTES",
     "SharedMemoryGroup",
-    "all_gather",
-    "all_reduce",
-    "reduce_scatter",
+    "shm_all_gather",
+    "shm_all_reduce",
+    "shm_reduce_scatter",
 ]
 
 CELL_BYTES = 1 << 20  # one cell: block k of every chunk (512 KiB of each at 2 ranks)
@@ -90,7 +90,7 @@ _HEADER_WORDS = 8  # int64 words per rank: 64 bytes, one cache line, so ranks ne
 # its numel and dtype: two places, because a rank that has raised on a mismatch may publish its
 # next call's while a slower rank still reads this one's.
 _BARRIER, _COPIED, _REDUCED, _DONE = 0, 5, 6, 7
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 
 @dataclass
@@ -215,7 +215,7 @@ class SharedMemoryGroup:
         rows = self.lines[:, at : at + 2].tolist()
         if any(row != rows[0] for row in rows):
             found = ", ".join(
-                f"rank {r}: {numel} x {_DTYPES[code]}" for r, (numel, code) in enumerate(rows)
+                f"rank {r}: {numel} x {DTYPES[code]}" for r, (numel, code) in enumerate(rows)
             )
             raise ValueError(f"{what} differ across ranks: {found}")
 
@@ -268,9 +268,9 @@ class SharedMemoryGroup:
         for _, mine in _block(parts, k, only=self.rank):
             out = _fit(cells[self.rank][k % CELLS][self.rank], mine)
             peers = [cells[q][k % CELLS][self.rank] for q in range(self.size) if q != self.rank]
-            _combine(mine, _fit(peers[0], mine), op, out=out)  # mine first, then in rank order
+            combine(mine, _fit(peers[0], mine), op, out=out)  # mine first, then in rank order
             for theirs in peers[1:]:
-                _combine(out, _fit(theirs, mine), op)
+                combine(out, _fit(theirs, mine), op)
             mine.copy_(out)
         self.publish(_REDUCED, n + 1)
 
@@ -332,7 +332,7 @@ class SharedMemoryGroup:
             ]
             mine.copy_(rows[0][self.rank])
             for r in range(1, self.size):
-                _combine(mine, rows[r][self.rank], op)
+                combine(mine, rows[r][self.rank], op)
 
 
 def _block(parts: list[tuple[torch.Tensor, ...]], k: int, only: int | None = None):
@@ -398,24 +398,24 @@ def _shared(group) -> SharedMemoryGroup:
     return found
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
+def shm_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None) -> None:
     """``dist.all_reduce`` through shared memory: every rank of ``group`` on this host."""
-    _check_tensor(tensor)
-    _check_op(op, tensor.dtype)
+    check_tensor(tensor)
+    check_op(op, tensor.dtype)
     if tensor.device.type != "cpu":
         raise ValueError(f"shared memory holds CPU tensors; this one is on {tensor.device}")
     if dist.get_world_size(group) == 1 or dist.get_rank(group) < 0:
         return
-    flat = _flat(tensor)
+    flat = flat_view(tensor)
     _shared(group).all_reduce(flat, op)
-    _finish_avg(flat, op, dist.get_world_size(group))
+    finish_avg(flat, op, dist.get_world_size(group))
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None) -> None:
+def shm_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None) -> None:
     """``dist.all_gather`` through shared memory: ``tensor_list[i]`` gets rank i's ``tensor``."""
-    _check_tensor(tensor)
+    check_tensor(tensor)
     size = dist.get_world_size(group)
     if len(tensor_list) != size or any(t.shape != tensor.shape for t in tensor_list):
         raise ValueError(f"tensor_list must hold {size} tensors shaped like tensor")
@@ -423,27 +423,27 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     if size == 1:
         out[0] = tensor.reshape(-1)
     else:
-        _shared(group).all_gather(out, _flat(tensor))
+        _shared(group).all_gather(out, flat_view(tensor))
     for target, row in zip(tensor_list, out, strict=True):
         target.copy_(row.view(tensor.shape))
 
 
-def reduce_scatter(
+def shm_reduce_scatter(
     output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None
 ) -> None:
     """``dist.reduce_scatter`` through shared memory: rank i's ``output`` is the reduction of
     every rank's ``input_list[i]``."""
-    _check_tensor(output, "output")
-    _check_op(op, output.dtype)
+    check_tensor(output, "output")
+    check_op(op, output.dtype)
     size = dist.get_world_size(group)
     if len(input_list) != size or any(t.shape != output.shape for t in input_list):
         raise ValueError(f"input_list must hold {size} tensors shaped like output")
     inputs = torch.stack([t.reshape(-1) for t in input_list])  # (size, numel)
-    flat = _flat(output)
+    flat = flat_view(output)
     if size == 1:
         flat.copy_(inputs[0])
     else:
         _shared(group).reduce_scatter(flat, inputs, op)
-    _finish_avg(flat, op, size)
+    finish_avg(flat, op, size)
     if not output.is_contiguous():
         output.copy_(flat.view(output.shape))

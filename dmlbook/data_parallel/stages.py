@@ -22,16 +22,16 @@ from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.data_parallel.averaging import average_gradients_per_parameter
 from dmlbook.datasets import shard_indices
 
-__all__ = ["STAGES", "StageClock", "train_in_six_stages", "warm_up"]
+__all__ = ["STEP_STAGES", "StageClock", "train_in_six_stages", "warm_up"]
 
-STAGES = ("pre-processing", "partition", "loading", "training", "synchronisation", "update")
+STEP_STAGES = ("pre-processing", "partition", "loading", "training", "synchronisation", "update")
 
 
 class StageClock:
     """Seconds spent in each stage: ``with clock("loading"): ...`` adds the block's wall time."""
 
     def __init__(self) -> None:
-        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.seconds = dict.fromkeys(STEP_STAGES, 0.0)
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:

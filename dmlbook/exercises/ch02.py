@@ -275,7 +275,7 @@ def _all_gather_deadlock(where: dict, world: int) -> str | None:
     "ring_all_gather",
     writes=(
         "dmlbook.comm.collectives.all_gather",
-        "dmlbook.comm.algorithms._ring_all_gather",
+        "dmlbook.comm.algorithms.sliced_ring_all_gather",
         "torch.distributed.all_gather",
         "torch.distributed.all_gather_into_tensor",
         "torch.distributed.all_gather_object",
@@ -426,7 +426,7 @@ def _rounds(sends: list[list[int]], src: int) -> dict[int, int]:
     "tree_broadcast",
     writes=(
         "dmlbook.comm.collectives.broadcast",
-        "dmlbook.comm.algorithms._tree_broadcast",
+        "dmlbook.comm.algorithms.tree_broadcast",
         "torch.distributed.broadcast",
         "torch.distributed.broadcast_object_list",
     ),

@@ -10,6 +10,12 @@
    and return that loss. Micro-batches may differ in size (10 rows in 4), where the 1/M of
    :class:`dmlbook.model_parallel.pipeline.PipelineStage` (equal micro-batches only) is wrong:
    each micro-batch's mean loss counts for its share of the rows.
+3. ``check_input_gradient`` and 4. ``check_weight_gradient`` (beyond the book, zero-bubble
+   schedules): the two halves of a linear layer's backward, ``input_gradient(grad_y, weight) ->
+   grad_x`` (B, which the previous stage waits for) and ``weight_gradient(x, grad_y) ->
+   (grad_weight, grad_bias)`` (W, which can wait), each checked against autograd's one backward
+   in float64 with autograd switched off (:mod:`dmlbook.model_parallel.backward_split` holds the
+   library's split).
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ from dmlbook.exercises import ExerciseFailed, checker, learner_code
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel import schedules
 
-__all__ = ["check_microbatch_gradients", "check_one_f_one_b_order"]
+__all__ = [
+    "check_input_gradient",
+    "check_microbatch_gradients",
+    "check_one_f_one_b_order",
+    "check_weight_gradient",
+]
 
 # (stages, micro-batches): a short and a long pipe, M < P, M = 1, and a single stage
 _ORDER_CASES = [(2, 4), (3, 6), (4, 8), (4, 2), (3, 1), (1, 3)]
@@ -44,17 +55,28 @@ def _peak_live(ops: Sequence[tuple[str, int]]) -> int:
 
 @contextmanager
 def _schedule_table_too() -> Iterator[None]:
-    """Inside :func:`learner_code`: the executor's table of schedules by name holds 1F1B too, so
-    it gets the same stand-in as the module's name (``pp.SCHEDULES["1f1b"]`` is no way round)."""
-    original = schedules.SCHEDULES["1f1b"]
-    schedules.SCHEDULES["1f1b"] = schedules.one_f_one_b_schedule  # the stand-in, while switched off
+    """Inside :func:`learner_code`: the executor's table of schedules by name holds the switched-off
+    schedules too, so each gets the same stand-in as the module's name (``pp.SCHEDULES["1f1b"]``
+    is no way round)."""
+    originals = {name: schedules.SCHEDULES[name] for name in _ORDER_TABLE}
+    for name, attribute in _ORDER_TABLE.items():  # the stand-ins, while switched off
+        schedules.SCHEDULES[name] = getattr(schedules, attribute)
     try:
         yield
     finally:
-        schedules.SCHEDULES["1f1b"] = original
+        schedules.SCHEDULES.update(originals)
 
 
-@checker("one_f_one_b_order", writes=("dmlbook.model_parallel.pipeline.one_f_one_b_schedule",))
+# Each schedule whose F and B ops are 1F1B's order: 1F1B itself, interleaved 1F1B with one chunk,
+# and ZB-H1 without its W ops. All three are switched off while the learner's order runs.
+_ORDER_TABLE = {"1f1b": "one_f_one_b_schedule", "interleaved": "interleaved_schedule",
+                "zb-h1": "zb_h1_schedule"}  # fmt: skip
+
+
+@checker(
+    "one_f_one_b_order",
+    writes=tuple(f"dmlbook.model_parallel.pipeline.{name}" for name in _ORDER_TABLE.values()),
+)
 def check_one_f_one_b_order(fn: Callable[[int, int, int], Sequence[tuple[str, int]]]) -> str:
     """Check ``fn(stage, stages, microbatches)`` against the 1F1B order of every stage of
     pipelines of 1 to 4 stages and 1 to 8 micro-batches, including fewer micro-batches than
@@ -332,3 +354,184 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
                 f"{got_loss:.6f}{hint}"
             )
     return "the whole batch's gradients and mean loss from 1, 3 and 4 micro-batches, equal or not"
+
+
+# --------------------------------------------------------------------------- 3. the B/W split
+
+# What does the job the learner writes: the split itself, and every autograd way to a gradient
+# (a layer's forward and a backward, a vector-Jacobian product, a Jacobian).
+_SPLIT_WRITES = (
+    "dmlbook.model_parallel.backward_split.linear_input_gradient",
+    "dmlbook.model_parallel.backward_split.linear_weight_gradient",
+    "torch.autograd.grad",
+    "torch.autograd.backward",
+    "torch.Tensor.backward",
+    "torch.func.vjp",
+    "torch.func.grad",
+    "torch.func.jacrev",
+    "torch.func.jacfwd",
+)
+
+# (what the case is, leading dims of x, in_features, out_features): a square weight first, where a
+# transposed product still has the right shape, then rows of sequences, one row, and more dims
+_SPLIT_CASES = [
+    ("5 rows into Linear(4, 4)", (5,), 4, 4),
+    ("5 rows into Linear(4, 6)", (5,), 4, 6),
+    ("x of shape (5, 3, 4) (5 sequences of 3 tokens) into Linear(4, 6)", (5, 3), 4, 6),
+    ("1 row into Linear(3, 2)", (1,), 3, 2),
+    ("x of shape (2, 3, 2, 5) into Linear(5, 3)", (2, 3, 2), 5, 3),
+]
+
+
+def _split_case(leading: tuple[int, ...], fan_in: int, fan_out: int, seed: int):
+    """x, W, b and grad_y in float64, and what autograd's one backward of y = x W^T + b gives."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*leading, fan_in, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(fan_out, fan_in, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(fan_out, dtype=torch.float64, generator=g, requires_grad=True)
+    grad_y = torch.randn(*leading, fan_out, dtype=torch.float64, generator=g)
+    y = nn.functional.linear(x, weight, bias)
+    want = torch.autograd.grad(y, (x, weight, bias), grad_y)  # the checker's reference
+    return x.detach(), weight.detach(), grad_y, want
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _call_split(fn: Callable, args: tuple, what: str, shape_hint: str) -> object:
+    """Run the learner's ``fn(*args)``; an error that is not "not attempted" or "called the
+    library" fails with ``shape_hint``, the likely cause on this case."""
+    try:
+        with learner_code(what):
+            return fn(*(a.clone() for a in args))
+    except ExerciseFailed as failure:
+        if "called the library instead" in str(failure):
+            raise
+        raise ExerciseFailed(f"{failure}. {shape_hint}") from failure.__cause__
+
+
+def _check_input_gradient(fn: Callable, case: str, weight, grad_y, want_x, fan_in, fan_out):
+    got = _call_split(
+        fn,
+        (grad_y, weight),
+        f"your input_gradient on {case}",
+        f"Shapes: weight is (out_features, in_features) = ({fan_out}, {fan_in}), grad_y is "
+        f"(..., out_features) and grad_x must be (..., in_features), the shape of x: which "
+        "dimension does your product sum over?",
+    )
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailed(f"on {case}: return grad_x as a tensor, got {type(got).__name__}")
+    if got.shape != want_x.shape:
+        raise ExerciseFailed(
+            f"on {case}: grad_x must have x's shape {tuple(want_x.shape)} (one gradient per "
+            f"input number), got {tuple(got.shape)}"
+        )
+    if _same(got, want_x):
+        return
+    if fan_in == fan_out and _same(got, grad_y @ weight.T):
+        raise ExerciseFailed(
+            f"on {case}: your grad_x is grad_y times the TRANSPOSED weight. y = x W^T maps "
+            "in_features to out_features; the gradient goes back the other way, from "
+            "out_features to in_features, so W is not transposed on the way back"
+        )
+    raise ExerciseFailed(
+        f"on {case}: grad_x differs from autograd's by up to {(got - want_x).abs().max():.3g}: "
+        "each input number x[..., i] reaches every output y[..., j] through W[j, i]"
+    )
+
+
+def _check_weight_gradient(fn: Callable, case: str, x, grad_y, want_w, want_b, leading):
+    got = _call_split(
+        fn,
+        (x, grad_y),
+        f"your weight_gradient on {case}",
+        f"x has {len(leading)} leading dim{'s' if len(leading) > 1 else ''} {leading}: every "
+        "row of every sequence is one more row of the batch, and the weight's gradient sums over "
+        "all of them (flatten the leading dims into rows first)",
+    )
+    if not (isinstance(got, tuple | list) and len(got) == 2):
+        raise ExerciseFailed(
+            f"on {case}: return the pair (grad_weight, grad_bias), got "
+            + (
+                f"a tensor of shape {tuple(got.shape)}"
+                if isinstance(got, torch.Tensor)
+                else f"{type(got).__name__}"
+            )  # fmt: skip
+            + ". The bias is a parameter too: W computes its gradient as well"
+        )
+    grad_w, grad_b = got
+    if not (isinstance(grad_w, torch.Tensor) and isinstance(grad_b, torch.Tensor)):
+        raise ExerciseFailed(f"on {case}: return two tensors (grad_weight, grad_bias)")
+    rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
+    if not _same(grad_w, want_w):
+        if _same(grad_w, want_w.T) or grad_w.shape == want_w.T.shape != want_w.shape:
+            what = (
+                "is the transpose of the right one"
+                if grad_w.shape == want_w.shape
+                else f"has the shape (in_features, out_features) {tuple(grad_w.shape)}"
+            )
+            raise ExerciseFailed(
+                f"on {case}: your grad_weight {what}: the gradient of W has W's shape "
+                f"(out_features, in_features) = {tuple(want_w.shape)}, its entry [j, i] pairing "
+                "output j with input i"
+            )
+        if grad_w.shape != want_w.shape:
+            raise ExerciseFailed(
+                f"on {case}: grad_weight must have the weight's shape {tuple(want_w.shape)}, got "
+                f"{tuple(grad_w.shape)}. x has leading dims {leading}: every row of every "
+                "sequence is one more row of the batch, and W's gradient sums over all of them"
+            )
+        if len(rows_x) > 1 and _same(grad_w, want_w / len(rows_x)):
+            raise ExerciseFailed(
+                f"on {case}: your grad_weight is the MEAN over the {len(rows_x)} rows: the loss "
+                "already averages (grad_y carries that 1/N); the rows' contributions add up"
+            )
+        raise ExerciseFailed(
+            f"on {case}: grad_weight differs from autograd's by up to "
+            f"{(grad_w - want_w).abs().max():.3g}: W[j, i] meets x[..., i] and y[..., j] in "
+            "every row"
+        )
+    if grad_b.shape != want_b.shape:
+        raise ExerciseFailed(
+            f"on {case}: grad_bias must have the bias's shape {tuple(want_b.shape)}, one number "
+            f"per output, got {tuple(grad_b.shape)}: the bias is added to every row, so its "
+            "gradient sums grad_y over all the rows (every leading dim)"
+        )
+    if not _same(grad_b, want_b):
+        if len(rows_g) > 1 and _same(grad_b, rows_g.mean(0)):
+            why = "the MEAN of grad_y over the rows; the bias is added to every row, so sum"
+        elif _same(grad_b, rows_g[-1]) or _same(grad_b, rows_g[0]):
+            why = "one row's grad_y; the bias is added to every row, so sum over all of them"
+        else:
+            why = "the bias is added to every row: its gradient sums grad_y over all the rows"
+        raise ExerciseFailed(f"on {case}: grad_bias differs from autograd's: {why}")
+
+
+_INPUT_WRITES = tuple(n for n in _SPLIT_WRITES if not n.endswith("linear_weight_gradient"))
+_WEIGHT_WRITES = tuple(n for n in _SPLIT_WRITES if not n.endswith("linear_input_gradient"))
+
+
+@checker("input_gradient", writes=_INPUT_WRITES)
+def check_input_gradient(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> str:
+    """Check ``fn(grad_y, weight) -> grad_x``, B of ``y = x W^T + b``, against autograd's one
+    backward in float64 on a square and a wide weight, rows of sequences, one row and 4-D inputs,
+    with autograd (and the library's split) switched off while it runs. A wrong answer is
+    explained (the weight transposed, a product over the wrong dimension, a wrong shape)."""
+    for seed, (case, leading, fan_in, fan_out) in enumerate(_SPLIT_CASES):
+        _, weight, grad_y, (want_x, _, _) = _split_case(leading, fan_in, fan_out, seed)
+        _check_input_gradient(fn, case, weight, grad_y, want_x, fan_in, fan_out)
+    return f"B of a linear layer equals autograd's on {len(_SPLIT_CASES)} shapes, 1 row to 4-D"
+
+
+@checker("weight_gradient", writes=_WEIGHT_WRITES)
+def check_weight_gradient(fn: Callable[[torch.Tensor, torch.Tensor], tuple]) -> str:
+    """Check ``fn(x, grad_y) -> (grad_weight, grad_bias)``, W of ``y = x W^T + b``, against
+    autograd's one backward in float64 on the same shapes, with autograd (and the library's
+    split) switched off while it runs. A wrong answer is explained (the gradient transposed,
+    leading dims not summed over, a mean instead of a sum, the bias's gradient missing or not
+    summed)."""
+    for seed, (case, leading, fan_in, fan_out) in enumerate(_SPLIT_CASES):
+        x, _, grad_y, (_, want_w, want_b) = _split_case(leading, fan_in, fan_out, seed)
+        _check_weight_gradient(fn, case, x, grad_y, want_w, want_b, leading)
+    return f"W of a linear layer equals autograd's on {len(_SPLIT_CASES)} shapes, 1 row to 4-D"

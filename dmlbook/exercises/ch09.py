@@ -218,7 +218,7 @@ _NOT_GLOBAL = (
     writes=(
         "dmlbook.advanced.tensor_parallel.comm.gather_from_tensor_parallel",
         "dmlbook.advanced.tensor_parallel.comm.AllGatherForwardSplitBackward.forward",
-        "dmlbook.advanced.tensor_parallel.comm._all_gather_last",
+        "dmlbook.advanced.tensor_parallel.comm.raw_all_gather_last",
         "torch.distributed.nn.functional.all_gather",
         "torch.distributed._functional_collectives.all_gather_tensor",
         "torch.distributed._functional_collectives.all_gather_tensor_autograd",

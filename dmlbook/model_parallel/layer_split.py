@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dmlbook.model_parallel.schedules import _check_sizes
+from dmlbook.model_parallel.schedules import check_sizes
 from dmlbook.models import CNN, MLP, CharGPT, next_token_loss
 
 __all__ = ["even_partition", "layers_of", "next_token_loss", "split_model"]
@@ -75,7 +75,7 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
 
 def even_partition(n_layers: int, stages: int) -> list[int]:
     """Layers per stage, as equal as can be (sizes differ by at most one, longer ones first)."""
-    _check_sizes(stages, 1)
+    check_sizes(stages, 1)
     if n_layers < stages:
         raise ValueError(f"cannot split {n_layers} layers into {stages} non-empty stages")
     short, longer = divmod(n_layers, stages)
@@ -93,7 +93,7 @@ def split_model(layers: Sequence[nn.Module], counts: Sequence[int]) -> list[nn.S
     return stages
 
 
-def _stage_of(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):
+def stage_for_rank(model: nn.Module, counts: Sequence[int] | None, rank: int, size: int):
     """This rank's stage module and the split, checked against the group's size."""
     layers = layers_of(model)
     counts = list(counts) if counts is not None else even_partition(len(layers), size)

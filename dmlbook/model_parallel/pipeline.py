@@ -54,9 +54,9 @@ from dmlbook.model_parallel.schedules import (
     SCHEDULES,
     Action,
     OpRecord,
-    _check_sizes,
     bubble_theory,
     check_schedule,
+    check_sizes,
     format_schedule,
     gpipe_schedule,
     inference_schedule,
@@ -150,7 +150,7 @@ class PipelineStage:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        _check_sizes(stages, 1)
+        check_sizes(stages, 1)
         if dist.is_initialized():
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             if size != stages:

@@ -26,7 +26,7 @@ from torch import nn
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.cpu_wait import cpu_wait_s
 from dmlbook.model_parallel import pipeline as pp
-from dmlbook.model_parallel.layer_split import _stage_of
+from dmlbook.model_parallel.layer_split import stage_for_rank
 
 __all__ = [
     "ServeResult",
@@ -137,7 +137,7 @@ def serve_pipelined(
     windows = _windows(len(requests), in_flight)
     rank, size = group_rank_size(group)
     model = model_fn().eval()
-    module, _ = _stage_of(model, counts, rank, size)
+    module, _ = stage_for_rank(model, counts, rank, size)
     stage = pp.PipelineStage(module, rank, size, group=group)
     cpu = clock_ops_on_cpu(stage)
     outputs, latencies, timelines, op_cpu = [], [], [], []

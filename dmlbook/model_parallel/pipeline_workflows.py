@@ -49,7 +49,7 @@ from dmlbook.cpu_wait import cores_are_free, cpu_wait_in_burst, cpu_wait_s
 from dmlbook.data_parallel.loop import Callback, LoopState, train_reference
 from dmlbook.datasets import char_blocks
 from dmlbook.model_parallel import pipeline as pp
-from dmlbook.model_parallel.layer_split import _stage_of
+from dmlbook.model_parallel.layer_split import stage_for_rank
 from dmlbook.model_parallel.pipeline_serving import (
     ServeResult,
     clock_ops_on_cpu,
@@ -226,7 +226,7 @@ class PipelinedTrainer:
     ) -> None:
         self.rank, self.size = group_rank_size(group)
         self.model = model_fn()
-        self.module, self.counts = _stage_of(self.model, counts, self.rank, self.size)
+        self.module, self.counts = stage_for_rank(self.model, counts, self.rank, self.size)
         self.stage = pp.PipelineStage(self.module, self.rank, self.size, group=group)
         self.optimizer = optimizer(self.module.parameters(), lr=lr)
         self.microbatches, self.schedule = microbatches, schedule

@@ -85,7 +85,8 @@ def _number(stage: int, ops: Sequence[tuple]) -> list[Action]:
     return [Action(stage, step, *op) for step, op in enumerate(ops)]
 
 
-def _check_sizes(stages: int, microbatches: int) -> None:
+def check_sizes(stages: int, microbatches: int) -> None:
+    """A clear ValueError unless ``stages`` and ``microbatches`` are integers of at least 1."""
     for name, value in (("stages", stages), ("microbatches", microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -94,7 +95,7 @@ def _check_sizes(stages: int, microbatches: int) -> None:
 def vanilla_schedule(stages: int, microbatches: int = 1) -> list[Action]:
     """Plain model parallelism: the whole batch goes forward through every stage, then backward.
     Only one stage works at a time; the others idle (the bubble is (P - 1) / P)."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     if microbatches != 1:
         raise ValueError(
             f"vanilla model parallelism runs the whole batch as one micro-batch, got "
@@ -106,7 +107,7 @@ def vanilla_schedule(stages: int, microbatches: int = 1) -> list[Action]:
 def gpipe_schedule(stages: int, microbatches: int) -> list[Action]:
     """GPipe: every stage runs the forwards of all M micro-batches, then all their backwards.
     Each stage holds the activations of all M micro-batches at the turn."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = []
     for stage in range(stages):
         forwards = [("F", mb) for mb in range(microbatches)]
@@ -119,7 +120,7 @@ def one_f_one_b_schedule(stages: int, microbatches: int) -> list[Action]:
     """1F1B: stage s warms up with P - s - 1 forwards, then alternates one forward and one
     backward, then cools down with the backwards left. It never holds more than P - s
     micro-batches' activations; the bubble is the same as GPipe's."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = []
     for stage in range(stages):
         warmup = min(stages - stage - 1, microbatches)
@@ -133,7 +134,7 @@ def one_f_one_b_schedule(stages: int, microbatches: int) -> list[Action]:
 
 def inference_schedule(stages: int, microbatches: int) -> list[Action]:
     """Serving: forwards only, micro-batch after micro-batch, on every stage."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = []
     for stage in range(stages):
         actions += _number(stage, [("F", mb) for mb in range(microbatches)])
@@ -157,7 +158,7 @@ def interleaved_schedule(stages: int, microbatches: int, chunks: int = 2) -> lis
     and one backward, then drains. With v = 1 it is 1F1B. M must be a multiple of P, so that
     every group fills the pipe.
     """
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     _check_chunks(chunks)
     if microbatches % stages:
         raise ValueError(
@@ -188,7 +189,7 @@ def zb_h1_schedule(stages: int, microbatches: int) -> list[Action]:
     back and runs them at the end: where 1F1B's stage s idles while the backwards drain up to
     it, ZB-H1's runs the Ws it kept. Stage s warms up like 1F1B (P - s - 1 forwards); a micro-batch
     is held from its F to its W, at most min(P, M) at once on every stage (1F1B's stage 0)."""
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     actions = []
     for stage in range(stages):
         warmup = min(stages - stage - 1, microbatches)
@@ -229,7 +230,7 @@ def bubble_theory(stages: int, microbatches: int, schedule: str = "1f1b", chunks
       instead of waiting: (P-1)/(3M + P-1). 1F1B in the same units (backward = B + W = 2) idles
       3(P-1): ZB-H1's bubble is about a third of it.
     """
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     _check_chunks(chunks)
     if schedule == "interleaved":
         return (stages - 1) / (chunks * microbatches + stages - 1)
@@ -291,7 +292,7 @@ def check_schedule(
     with messages that never block the sender (``isend``) and receives that do, finishes: no
     stage waits for a message that a stage waiting on it would send.
     """
-    _check_sizes(stages, microbatches)
+    check_sizes(stages, microbatches)
     _check_chunks(chunks)
     if any(a.stage not in range(stages) for a in actions):
         raise ValueError(f"an action names a stage outside 0..{stages - 1}")

@@ -43,6 +43,7 @@ from dmlbook.viz.elastic import (
     serving_pool,
 )
 from dmlbook.viz.layouts import (
+    checkpoint_reads,
     expert_load,
     gemm_split,
     moe_round_trip,
@@ -72,7 +73,7 @@ from dmlbook.viz.sharding import (
     zero_step_ops,
 )
 from dmlbook.viz.zero import (
-    flat_buffer,
+    draw_flat_buffer,
 )
 
 __all__ = [
@@ -98,6 +99,7 @@ __all__ = [
     "expert_load",
     "gemm_split",
     "moe_round_trip",
+    "checkpoint_reads",
     "rank_grid",
     "ring_attention_blocks",
     "sequence_parallel_block",
@@ -117,5 +119,5 @@ __all__ = [
     "vocab_split",
     "zero_step",
     "zero_step_ops",
-    "flat_buffer",
+    "draw_flat_buffer",
 ]

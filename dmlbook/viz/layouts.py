@@ -6,8 +6,9 @@ Chapter 9 draws a GEMM's column and row split with ``gemm_split`` and which rank
 what on a 5-D layout with ``who_holds_what``, a layout's rank grid with ``rank_grid``, where
 sequence parallelism splits a block's activations with ``sequence_parallel_block``, an
 expert-parallel layer's round trip with ``moe_round_trip``, the tokens each expert of a mixture
-of experts received, kept and dropped against its capacity with ``expert_load``, and ring
-attention's blocks with ``ring_attention_blocks``.
+of experts received, kept and dropped against its capacity with ``expert_load``, ring
+attention's blocks with ``ring_attention_blocks``, and which rank of a new layout reads which
+saved slice of a checkpoint with ``checkpoint_reads``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import matplotlib.pyplot as plt
 from dmlbook.viz.charts import stacked_bars
 
 __all__ = [
+    "checkpoint_reads",
     "expert_load",
     "gemm_split",
     "moe_round_trip",
@@ -420,4 +422,48 @@ def moe_round_trip(
     ax.axis("off")
     ax.set_title(title or "one MoE layer's round trip: route, dispatch, experts, combine",
                  fontsize=9, pad=14)  # fmt: skip
+    return ax
+
+
+def checkpoint_reads(
+    shape: tuple[int, int],
+    saved: Sequence[tuple[Sequence[int], Sequence[int]]],
+    reads: dict[int, tuple[Sequence[int], Sequence[int]]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+) -> plt.Axes:
+    """One 2-D tensor of a checkpoint (rows down, columns across): each slice the checkpoint holds
+    (``saved``, ``(offsets, sizes)`` as DCP's metadata lists them) in its own colour, and each
+    rank of the loading layout's slice (``reads``, rank -> ``(offsets, sizes)``) as a dashed
+    box naming the rank and the saved slices it overlaps. Chapter 13 draws a checkpoint saved
+    at ``dp2 x tp2`` and loaded at ``tp4`` with it."""
+    rows, cols = shape
+    ax = ax or plt.subplots(figsize=(4.2, 3.6))[1]
+    colours = plt.get_cmap("Pastel1")
+
+    def box(offsets, sizes):  # (x, y, width, height): columns across, rows down
+        return offsets[1], offsets[0], sizes[1], sizes[0]
+
+    def overlap(a, b) -> bool:
+        return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(*a, *b, strict=True))
+
+    for i, (offsets, sizes) in enumerate(saved):
+        x, y, w, h = box(offsets, sizes)
+        ax.add_patch(plt.Rectangle((x, y), w, h, fc=colours(i % 9), ec="0.35", lw=1.2))
+        ax.text(x + 0.03 * cols, y + 0.03 * rows, f"saved {i}", fontsize=7, va="top",
+                color="0.3")  # fmt: skip
+    for rank, chunk in sorted(reads.items()):
+        x, y, w, h = box(*chunk)
+        inset = 0.02 * min(rows, cols)
+        ax.add_patch(plt.Rectangle((x + inset, y + inset), w - 2 * inset, h - 2 * inset,
+                                   fill=False, ec="0.1", ls="--", lw=1.0))  # fmt: skip
+        sources = ", ".join(str(i) for i, c in enumerate(saved) if overlap(c, chunk))
+        ax.text(x + w / 2, y + h / 2, f"rank {rank}\nreads {sources}", ha="center",
+                va="center", fontsize=7.5)  # fmt: skip
+    ax.set_xlim(0, cols)
+    ax.set_ylim(rows, 0)
+    ax.set_xlabel(f"columns (0 to {cols})", fontsize=8)
+    ax.set_ylabel(f"rows (0 to {rows})", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_title(title, fontsize=9)
     return ax

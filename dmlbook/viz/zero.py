@@ -5,10 +5,12 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-__all__ = ["flat_buffer"]
+__all__ = ["draw_flat_buffer"]
 
 
-def flat_buffer(params: dict[str, int], world_size: int, ax: plt.Axes | None = None) -> plt.Axes:
+def draw_flat_buffer(
+    params: dict[str, int], world_size: int, ax: plt.Axes | None = None
+) -> plt.Axes:
     """One unit's flat buffer, one box per element numbered by its index: each parameter's slice
     (named above), the zero padding (hatched) up to N x S, and below it the shard
     ``[r*S, (r+1)*S)`` each rank keeps (chapter 9b)."""

@@ -144,7 +144,7 @@ class StepMeter(Callback):
             raise ValueError(f"no phase {name!r}; the phases are {PHASES}")
         self.starts[name] = time.time()
         if self.traffic:
-            with collectives.recording() as sends, WireMeter() as wire:
+            with collectives.recording_sends() as sends, WireMeter() as wire:
                 yield
             self.sends[name], self.wire[name] = sends, wire.bytes
         else:

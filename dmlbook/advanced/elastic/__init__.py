@@ -29,9 +29,9 @@ Chapter 11 ("Elastic model training and serving") teaches three pieces with this
    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (:data:`AGENT_ENV`) for restarts to work here.
 
 2. **Adaptive training on a parameter server**: chapter 2's parameter server
-   (:func:`dmlbook.data_parallel.ps.train` with ``members``) lets workers join and leave between
-   rounds. Workers only ever talk to the server, so a membership change needs no rendezvous and
-   no restart: each round's global batch goes to whoever is there.
+   (:func:`dmlbook.data_parallel.ps.train_parameter_server` with ``members``) lets workers join
+   and leave between rounds. Workers only ever talk to the server, so a membership change needs
+   no rendezvous and no restart: each round's global batch goes to whoever is there.
 
 3. **Elastic serving** (:func:`serve_elastic`): a pool of inference worker processes that an
    :class:`Autoscaler` grows and shrinks with the measured request rate (a :class:`FixedPool`

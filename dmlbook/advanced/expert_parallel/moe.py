@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook.models import CharGPT, FeedForward, GPTConfig, _seeded
+from dmlbook.models import CharGPT, FeedForward, GPTConfig, build_seeded
 
 __all__ = [
     "MoEFeedForward",
@@ -177,4 +177,4 @@ def moe_char_gpt(
                 nn.init.normal_(expert.c_proj.weight, mean=0.0, std=std)
         return model
 
-    return _seeded(build, seed)
+    return build_seeded(build, seed)

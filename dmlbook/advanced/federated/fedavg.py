@@ -290,7 +290,7 @@ def fedavg(
     for r in range(config.rounds):
         chosen = sample_clients(num_clients, fraction, r, seed)
         result.sampled.append(chosen)
-        with collectives.recording() as sends:
+        with collectives.recording_sends() as sends:
             collectives.broadcast(global_flat, src=0, check=False)
         result.sent += [Message(r, "global model", s.dst, s.nbytes) for s in sends]
         if rank == 0:

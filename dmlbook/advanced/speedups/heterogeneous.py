@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmlbook.advanced.speedups.jobs import Job, _check_steps
+from dmlbook.advanced.speedups.jobs import Job, check_steps
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel import (
     Callback,
@@ -178,7 +178,7 @@ def train_heterogeneous(
 
 
 def _checked_slowdown(job: Job, steps: int, slowdown, world: int) -> list[float]:
-    _check_steps(steps)
+    check_steps(steps)
     slowdown = [1.0] * world if slowdown is None else [float(s) for s in slowdown]
     if len(slowdown) != world or any(not math.isfinite(s) or s < 1 for s in slowdown):
         raise ValueError(f"slowdown needs {world} factors >= 1, got {slowdown}")

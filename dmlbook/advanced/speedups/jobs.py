@@ -127,14 +127,15 @@ class MultiplexRun:
         return sum(j.samples for j in self.jobs) / self.wall_s
 
 
-def _check_steps(steps: int, slice_steps: int = 1) -> None:
+def check_steps(steps: int, slice_steps: int = 1) -> None:
+    """A ValueError unless ``steps`` and ``slice_steps`` are at least 1."""
     if steps < 1 or slice_steps < 1:
         raise ValueError(f"steps={steps} and slice_steps={slice_steps} must be >= 1")
 
 
 def run_alone(job: Job, steps: int, group=None) -> JobRun:
     """Rank function: train ``job`` for ``steps`` steps with the ranks to itself."""
-    _check_steps(steps)
+    check_steps(steps)
     state = _JobState(job, group)
     barrier(group)
     start = time.perf_counter()
@@ -146,7 +147,7 @@ def run_alone(job: Job, steps: int, group=None) -> JobRun:
 
 
 def _check_jobs(jobs: Sequence[Job], steps: int, slice_steps: int) -> None:
-    _check_steps(steps, slice_steps)
+    check_steps(steps, slice_steps)
     names = [job.name for job in jobs]
     if not jobs or len(set(names)) != len(names):
         raise ValueError(f"run_multiplexed needs jobs with distinct names, got {names}")
@@ -181,7 +182,7 @@ def train_job(job: Job, steps: int, checkpoint_dir: str | os.PathLike, group=Non
     """Rank function: train ``job`` until global step ``steps``, resuming from the latest
     checkpoint in ``checkpoint_dir`` if there is one (saved at any world size), and checkpoint
     at the end. Launched again on fewer ranks with a larger ``steps``, the job has migrated."""
-    _check_steps(steps)
+    check_steps(steps)
     state = _JobState(job, group)  # a fresh model and optimizer on however many ranks run this
     resumed_from = None
     if (path := checkpoint.latest(checkpoint_dir)) is not None:  # the job ran before: resume

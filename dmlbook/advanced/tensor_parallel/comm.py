@@ -7,7 +7,8 @@ the activations between those layers along the sequence
 (:mod:`dmlbook.advanced.tensor_parallel.sequence_parallel`); everything either exchanges goes
 through this one module, in layers as in Megatron's ``mappings.py``:
 
-* raw collectives (an all-reduce, and an all-gather of the last dimension) that bypass at world
+* raw collectives (:func:`raw_all_reduce`, :func:`raw_all_gather_last`, and along the sequence
+  :func:`raw_all_gather_sequence` and :func:`raw_reduce_scatter_sequence`) that bypass at world
   size 1 and record every call they make as a :class:`CommRecord` (:mod:`dmlbook.comm.trace`):
   inside ``with counting() as comms:`` the notebook counts the collectives per layer and pass;
 * autograd functions in conjugate pairs, each named for what it does forward and backward:
@@ -64,6 +65,10 @@ __all__ = [
     "check_same_sequence_split",
     "copy_to_tensor_parallel",
     "counting",
+    "raw_all_gather_last",
+    "raw_all_gather_sequence",
+    "raw_all_reduce",
+    "raw_reduce_scatter_sequence",
     "gather_from_sequence_parallel",
     "gather_from_tensor_parallel",
     "reduce_from_tensor_parallel",
@@ -108,7 +113,8 @@ def _found_by(name: str, direction: str) -> Iterator[None]:
         raise ValueError(f"{name} ({direction}): {error}") from None
 
 
-def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def raw_all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A reduced copy of ``t`` over ``group`` (world size 1: a plain copy), counted as sent."""
     _, size = group_rank_size(group)
     t = t.contiguous().clone()
     if size > 1:
@@ -118,7 +124,8 @@ def _all_reduce(t: torch.Tensor, group, direction: str, op=dist.ReduceOp.SUM) ->
     return t
 
 
-def _all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
+def raw_all_gather_last(t: torch.Tensor, group, direction: str) -> torch.Tensor:
+    """Every rank's ``t`` joined along the last dimension (at world size 1: ``t`` itself)."""
     rank, size = group_rank_size(group)
     if size == 1:
         return t
@@ -166,7 +173,7 @@ def _global(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def _all_gather_sequence(
+def raw_all_gather_sequence(
     t: torch.Tensor, group, direction: str, check: bool = True
 ) -> torch.Tensor:
     """Every rank's sequence block, concatenated: (B, T / t, C) -> (B, T, C). ``check=False``
@@ -182,7 +189,7 @@ def _all_gather_sequence(
     return torch.cat(pieces, dim=SEQ_DIM)
 
 
-def _reduce_scatter_sequence(
+def raw_reduce_scatter_sequence(
     t: torch.Tensor, group, direction: str, check: bool = True
 ) -> torch.Tensor:
     """The sum over the ranks of this rank's sequence block: (B, T, C) -> (B, T / t, C).
@@ -216,7 +223,7 @@ class IdentityForwardAllReduceBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "backward"), None
+        return raw_all_reduce(grad, ctx.group, "backward"), None
 
 
 class AllReduceForwardIdentityBackward(torch.autograd.Function):
@@ -226,7 +233,7 @@ class AllReduceForwardIdentityBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group, "forward")
+        return raw_all_reduce(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -240,7 +247,7 @@ class AllGatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_last(x, group, "forward")
+        return raw_all_gather_last(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -258,7 +265,7 @@ class SplitForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_last(grad, ctx.group, "backward"), None
+        return raw_all_gather_last(grad, ctx.group, "backward"), None
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -294,7 +301,7 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group, "backward"), None
+        return raw_all_gather_sequence(grad, ctx.group, "backward"), None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
@@ -304,13 +311,13 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_sequence(x, group, "forward")
+        return raw_all_gather_sequence(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         # grad has forward's output shape and dtype (autograd sees to it), checked equal on
         # every rank by forward's all-gather: a second check would find nothing
-        return _reduce_scatter_sequence(grad, ctx.group, "backward", check=False), None
+        return raw_reduce_scatter_sequence(grad, ctx.group, "backward", check=False), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -319,12 +326,12 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_sequence(x, group, "forward")
+        return raw_reduce_scatter_sequence(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         # grad has forward's output shape and dtype, checked by forward's reduce-scatter
-        return _all_gather_sequence(grad, ctx.group, "backward", check=False), None
+        return raw_all_gather_sequence(grad, ctx.group, "backward", check=False), None
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:

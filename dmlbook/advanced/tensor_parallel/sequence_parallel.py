@@ -53,10 +53,10 @@ from dmlbook.advanced.composition.plan import (
     expect_module,
 )
 from dmlbook.advanced.tensor_parallel.comm import (
-    _all_gather_sequence,
-    _all_reduce,
-    _reduce_scatter_sequence,
     gather_from_sequence_parallel,
+    raw_all_gather_sequence,
+    raw_all_reduce,
+    raw_reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
 )
@@ -97,17 +97,18 @@ class AllGatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)  # (B, T / t, C): the block, not the gathered sequence
-        return F.linear(_all_gather_sequence(x, group, "forward"), weight, bias)  # (B, T, out / t)
+        whole = raw_all_gather_sequence(x, group, "forward")  # (B, T, C): the whole sequence
+        return F.linear(whole, weight, bias)  # (B, T, out / t)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         # x is the block forward's all-gather checked on every rank, and grad_whole has its
         # gathered shape and dtype: no check to repeat (check=False)
-        whole = _all_gather_sequence(x, ctx.group, "backward", check=False)  # the sequence again
+        whole = raw_all_gather_sequence(x, ctx.group, "backward", check=False)  # the sequence again
         grad_whole = grad @ weight  # (B, T, C): this rank's columns' share of the input grad
         # communication: my tokens' input gradient, summed over the ranks
-        grad_x = _reduce_scatter_sequence(grad_whole, ctx.group, "backward", check=False)
+        grad_x = raw_reduce_scatter_sequence(grad_whole, ctx.group, "backward", check=False)
         grad_w = grad.flatten(0, -2).t() @ whole.flatten(0, -2)  # (out / t, C)
         grad_b = grad.flatten(0, -2).sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
@@ -177,7 +178,7 @@ def _sum_gradients_over(module: nn.Module, group) -> None:
     if size == 1:
         return
     for p in module.parameters(recurse=True):
-        p.register_hook(lambda grad: _all_reduce(grad, group, "backward"))  # communication
+        p.register_hook(lambda grad: raw_all_reduce(grad, group, "backward"))  # communication
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dmlbook.advanced.tensor_parallel.comm import _all_reduce, reduce_from_tensor_parallel
+from dmlbook.advanced.tensor_parallel.comm import raw_all_reduce, reduce_from_tensor_parallel
 from dmlbook.comm.groups import even_block, group_rank_size
 
 __all__ = [
@@ -90,7 +90,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start):
         # logits: (N, V / p), this rank's columns; target: (N,) global ids.
         local_max = logits.max(dim=-1).values
-        global_max = _all_reduce(local_max, group, "forward", dist.ReduceOp.MAX)
+        global_max = raw_all_reduce(local_max, group, "forward", dist.ReduceOp.MAX)
         shifted = logits - global_max.unsqueeze(-1)  # the same shift on every rank
         exp = shifted.exp()
         vocab = logits.shape[-1]
@@ -100,7 +100,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         # One all-reduce adds both the sums of exp and the target's logit (only its owner has a
         # non-zero one); Megatron runs these two as separate all-reduces.
         both = torch.stack([exp.sum(dim=-1), picked.masked_fill(~mine, 0.0)])  # (2, N)
-        sum_exp, target_logit = _all_reduce(both, group, "forward")
+        sum_exp, target_logit = raw_all_reduce(both, group, "forward")
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, mine)
         return sum_exp.log() - target_logit  # (N,): each token's loss, on every rank
 

@@ -30,7 +30,7 @@ included, but its reduce-scatter is an all-reduce from which each rank keeps its
 PRs #112144 and #118911): right numbers, twice the traffic of a real reduce-scatter. NCCL's is a
 real one. ``collectives="dmlbook"`` uses chapter 2's ring ``reduce_scatter`` / ``all_gather``,
 built from point-to-point messages: a real ring on every backend, and
-:func:`dmlbook.comm.collectives.recording` counts each message it sends.
+:func:`dmlbook.comm.collectives.recording_sends` counts each message it sends.
 
 :class:`MemoryMeter` measures what each stage holds: at every point of a step where the held
 set changes (each gather, each reduce-scatter, the end of backward, the step) it adds up the
@@ -58,7 +58,7 @@ ZeRO-1 is here twice, both worth teaching; per step, on N ranks, for P parameter
 from dmlbook.advanced.zero.accounting import (
     COLLECTIVES,
     PARTS,
-    STAGES,
+    ZERO_STAGES,
     MemoryMeter,
     comm_bytes_per_step,
     expected_bytes,
@@ -72,11 +72,11 @@ from dmlbook.advanced.zero.stages import (
     ZeroStage3,
     zero_data_parallel,
 )
-from dmlbook.advanced.zero.training import ddp_train, fsdp2_train, fsdp2_wrap, train
+from dmlbook.advanced.zero.training import ddp_train, fsdp2_train, fsdp2_wrap, zero_train
 
 __all__ = [
     "flat_buffer",
-    "STAGES",
+    "ZERO_STAGES",
     "COLLECTIVES",
     "MemoryMeter",
     "PARTS",
@@ -92,5 +92,5 @@ __all__ = [
     "fsdp2_train",
     "fsdp2_wrap",
     "paper_bytes",
-    "train",
+    "zero_train",
 ]

@@ -15,14 +15,14 @@ import torch
 
 from dmlbook.comm.groups import padded_size
 
-STAGES = (0, 1, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 COLLECTIVES = ("torch", "dmlbook")
 PARTS = ("parameters", "gradients", "optimizer state")
 
 # --------------------------------------------------------------------------- memory
 
 
-def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
+def distinct_storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
     """data pointer -> bytes of each distinct storage behind ``tensors`` (views count once)."""
     found = {}
     for t in tensors:
@@ -69,7 +69,7 @@ def paper_bytes(
     master copy and moments. Pure fp32 Adam (this package's runs): ``param_bytes=4,
     grad_bytes=4, k=8``. Baseline (2+2+K)Psi; P_os 2Psi + 2Psi + K Psi/N; P_os+g 2Psi + (2+K)Psi/N;
     P_os+g+p (2+2+K)Psi/N."""
-    _check_stage(stage)
+    check_stage(stage)
     n = world_size
     return {
         "parameters": param_bytes * psi / (n if stage >= 3 else 1),
@@ -86,7 +86,7 @@ def expected_bytes(
     units, plus the transients of this layout: at stages 2 and 3 the full gradient of one unit
     (the largest) waits for its reduce-scatter, and at stage 3 that unit's parameters are
     gathered at the same time."""
-    _check_stage(stage)
+    check_stage(stage)
     padded = [padded_size(n, world_size) for n in unit_sizes]
     full, shard, largest = sum(padded), sum(padded) // world_size, max(padded, default=0)
     params = shard + largest if stage == 3 else full
@@ -103,13 +103,14 @@ def comm_bytes_per_step(numel: int, world_size: int, stage: int, element_size: i
     """Bytes one rank sends per step over a ring: all-reduce 2(N-1)/N Psi for stage 0;
     reduce-scatter + all-gather, the same 2(N-1)/N Psi, for stages 1 and 2; two all-gathers (for
     forward and for backward) and a reduce-scatter, 3(N-1)/N Psi (1.5x), for stage 3."""
-    _check_stage(stage)
+    check_stage(stage)
     passes = 3 if stage == 3 else 2
     return passes * (world_size - 1) / world_size * numel * element_size
 
 
-def _check_stage(stage) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:
+def check_stage(stage) -> None:
+    """A ValueError unless ``stage`` is one of :data:`ZERO_STAGES` (0-3)."""
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(
-            f"stage must be one of {STAGES} (0 = plain data parallelism), got {stage!r}"
+            f"stage must be one of {ZERO_STAGES} (0 = plain data parallelism), got {stage!r}"
         )

@@ -1,7 +1,7 @@
 """ZeRO's engine and stage 0, plain data parallelism, in the layout the stages share (ch. 9b).
 
 Every *unit* (by default each module that owns parameters directly) flattens its parameters into
-one buffer padded to a multiple of the world size and cut into equal shards (:class:`_Unit`).
+one buffer padded to a multiple of the world size and cut into equal shards (:class:`FlatUnit`).
 :class:`ZeroStage0` all-reduces the gradients and steps Adam on every element; it holds the
 machinery the sharded stages (:mod:`dmlbook.advanced.zero.stages`) extend: the units, the layout
 check, the collectives (torch's or chapter 2's) and the memory measurement.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmlbook.advanced.zero.accounting import COLLECTIVES, MemoryMeter, _storages
+from dmlbook.advanced.zero.accounting import COLLECTIVES, MemoryMeter, distinct_storages
 from dmlbook.comm import collectives as C  # a parameter below is named "collectives"
 from dmlbook.comm.groups import padded_block, padded_size
 from dmlbook.optim import adam_update_
@@ -46,7 +46,7 @@ def flat_buffer(params: Sequence[torch.Tensor], world_size: int) -> torch.Tensor
 # --------------------------------------------------------------------------- the engine
 
 
-class _Unit:
+class FlatUnit:
     """One module's parameters as a flat buffer padded to a multiple of N, cut into N shards."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], n: int, r: int):
@@ -128,7 +128,7 @@ class ZeroStage0(nn.Module):
 
     # ---- layout
 
-    def _build_units(self, units: Sequence[nn.Module] | None) -> list[_Unit]:
+    def _build_units(self, units: Sequence[nn.Module] | None) -> list[FlatUnit]:
         names = {m: n for n, m in self.module.named_modules()}
         if units is None:
             units = [m for m in self.module.modules() if any(True for _ in m.parameters(False))]
@@ -140,7 +140,7 @@ class ZeroStage0(nn.Module):
             params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
             claimed.update(id(p) for p in params)
             if params:
-                built.append(_Unit(names[module] or "<root>", module, params, self.world_size,
+                built.append(FlatUnit(names[module] or "<root>", module, params, self.world_size,
                                    self.rank))  # fmt: skip
         missing = [n for n, p in self.module.named_parameters() if p.requires_grad
                    and id(p) not in claimed]  # fmt: skip
@@ -166,18 +166,18 @@ class ZeroStage0(nn.Module):
                 f"{low[1]}..{high[1]}"
             )
 
-    def _shard(self, unit: _Unit) -> None:
+    def _shard(self, unit: FlatUnit) -> None:
         like = unit.params[0]
         moments = self._owned(unit)
         unit.exp_avg, unit.exp_avg_sq = like.new_zeros(moments), like.new_zeros(moments)
         unit.full_param = flat_buffer(unit.params, self.world_size)  # parameters: views of it
         self._place_gradients(unit)
 
-    def _owned(self, unit: _Unit) -> int:
+    def _owned(self, unit: FlatUnit) -> int:
         """How many elements of the unit this rank steps (and keeps Adam's moments for)."""
         return unit.padded
 
-    def _place_gradients(self, unit: _Unit) -> None:
+    def _place_gradients(self, unit: FlatUnit) -> None:
         """Gradients accumulate straight into the unit's flat buffer."""
         unit.full_grad = torch.zeros_like(unit.full_param)
         for p, view in zip(unit.params, unit.views(unit.full_grad), strict=True):
@@ -242,12 +242,12 @@ class ZeroStage0(nn.Module):
             self.step_unit(unit)
         self._measure("after step")
 
-    def step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: FlatUnit) -> None:
         """Stage 0: all-reduce the gradient, and every rank steps every element."""
         self._all_reduce_avg(unit.full_grad)
         self._adam(unit.full_param, unit.full_grad, unit)
 
-    def _adam(self, param: torch.Tensor, grad: torch.Tensor, unit: _Unit) -> None:
+    def _adam(self, param: torch.Tensor, grad: torch.Tensor, unit: FlatUnit) -> None:
         with torch.no_grad():
             adam_update_(param, grad, unit.exp_avg, unit.exp_avg_sq, self.steps, self.lr,
                          *self.betas, self.eps, self.weight_decay)  # fmt: skip
@@ -258,13 +258,15 @@ class ZeroStage0(nn.Module):
         """Bytes of parameters, gradients and optimizer state this rank holds now, counted from
         the storages of the tensors (the module's parameters and gradients and the flat
         buffers), each storage once."""
-        params = _storages([p for u in self._units for p in u.params]
-                           + [u.full_param for u in self._units]
-                           + [u.param_shard for u in self._units])  # fmt: skip
-        grads = _storages([p.grad for u in self._units for p in u.params]
-                          + [u.full_grad for u in self._units]
-                          + [u.grad_shard for u in self._units])  # fmt: skip
-        state = _storages([u.exp_avg for u in self._units] + [u.exp_avg_sq for u in self._units])
+        params = distinct_storages([p for u in self._units for p in u.params]
+                                   + [u.full_param for u in self._units]
+                                   + [u.param_shard for u in self._units])  # fmt: skip
+        grads = distinct_storages([p.grad for u in self._units for p in u.params]
+                                  + [u.full_grad for u in self._units]
+                                  + [u.grad_shard for u in self._units])  # fmt: skip
+        state = distinct_storages(
+            [u.exp_avg for u in self._units] + [u.exp_avg_sq for u in self._units]
+        )
         return {
             "parameters": sum(params.values()),
             "gradients": sum(grads.values()),
@@ -284,13 +286,13 @@ class ZeroStage0(nn.Module):
         """Elements of each unit a rank owns, padding included (the same on every rank)."""
         return [u.stop - u.start for u in self._units]
 
-    def _gathered(self, unit: _Unit) -> bool:
+    def _gathered(self, unit: FlatUnit) -> bool:
         return True  # below stage 3 every rank holds every parameter
 
-    def gather_params(self, unit: _Unit) -> None:
+    def gather_params(self, unit: FlatUnit) -> None:
         pass
 
-    def free_params(self, unit: _Unit) -> None:
+    def free_params(self, unit: FlatUnit) -> None:
         pass
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

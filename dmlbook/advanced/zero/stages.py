@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from dmlbook.advanced.zero.accounting import _check_stage
-from dmlbook.advanced.zero.stage0 import ZeroStage0, _Unit
+from dmlbook.advanced.zero.accounting import check_stage
+from dmlbook.advanced.zero.stage0 import FlatUnit, ZeroStage0
 
 
 class ZeroStage1(ZeroStage0):
@@ -25,10 +25,10 @@ class ZeroStage1(ZeroStage0):
 
     stage = 1
 
-    def _owned(self, unit: _Unit) -> int:
+    def _owned(self, unit: FlatUnit) -> int:
         return unit.stop - unit.start
 
-    def step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: FlatUnit) -> None:
         """Stage 1: reduce-scatter the gradient, step this rank's shard, all-gather."""
         # reduce-scatter in place, into this rank's slice of the full gradient (an output that
         # is the input's own chunk is allowed, as in NCCL)
@@ -36,7 +36,7 @@ class ZeroStage1(ZeroStage0):
         self._reduce_scatter_avg(grad, unit.full_grad)
         self.step_shard(unit, grad)
 
-    def step_shard(self, unit: _Unit, grad: torch.Tensor) -> None:
+    def step_shard(self, unit: FlatUnit, grad: torch.Tensor) -> None:
         """Adam on this rank's shard, then every rank's new shard to everyone."""
         mine = unit.full_param[unit.start : unit.stop]
         self._adam(mine, grad, unit)
@@ -50,7 +50,7 @@ class ZeroStage2(ZeroStage1):
 
     stage = 2
 
-    def _place_gradients(self, unit: _Unit) -> None:
+    def _place_gradients(self, unit: FlatUnit) -> None:
         unit.grad_shard = unit.full_param.new_zeros(unit.stop - unit.start)
 
     def register_hooks(self) -> None:
@@ -63,18 +63,18 @@ class ZeroStage2(ZeroStage1):
         for unit in self._units:
             unit.grad_shard.zero_()
 
-    def step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: FlatUnit) -> None:
         """Stage 2: step this rank's shard and all-gather the parameters."""
         self.step_shard(unit, unit.grad_shard)  # reduce-scattered during backward already
 
-    def _grad_hook(self, unit: _Unit, index: int) -> Callable:
+    def _grad_hook(self, unit: FlatUnit, index: int) -> Callable:
         def hook(param: torch.Tensor) -> None:
             self._queue_end_of_backward()  # a last pass for units backward never reached
             self.grad_ready(unit, index, param)
 
         return hook
 
-    def grad_ready(self, unit: _Unit, index: int, param: torch.Tensor) -> None:
+    def grad_ready(self, unit: FlatUnit, index: int, param: torch.Tensor) -> None:
         """Backward has produced ``param``'s gradient (a post-accumulate-grad hook calls this):
         add it to the unit's full gradient, and once the unit's last one is in, reduce-scatter."""
         if unit.full_grad is None:  # the unit's whole gradient lives only during its backward
@@ -86,7 +86,7 @@ class ZeroStage2(ZeroStage1):
         if len(unit.ready) == len(unit.params):
             self.reduce_scatter_grad(unit)
 
-    def reduce_scatter_grad(self, unit: _Unit) -> None:
+    def reduce_scatter_grad(self, unit: FlatUnit) -> None:
         """Sum the unit's gradient over the ranks, keep the average of this rank's shard, and
         free the full gradient."""
         self._measure(f"backward {unit.name}: gradient complete")  # the memory meter's sample
@@ -109,7 +109,7 @@ class ZeroStage2(ZeroStage1):
                 self.reduce_scatter_grad(unit)
         self._measure("end of backward")
 
-    def _reached_in_backward(self, unit: _Unit) -> bool:
+    def _reached_in_backward(self, unit: FlatUnit) -> bool:
         """Whether backward produced part of the unit's gradient, not yet reduce-scattered."""
         return unit.full_grad is not None
 
@@ -126,7 +126,7 @@ class ZeroStage3(ZeroStage2):
 
     stage = 3
 
-    def _place_gradients(self, unit: _Unit) -> None:
+    def _place_gradients(self, unit: FlatUnit) -> None:
         super()._place_gradients(unit)
         unit.param_shard = unit.full_param[unit.start : unit.stop].clone()
         self.free_params(unit)
@@ -140,20 +140,20 @@ class ZeroStage3(ZeroStage2):
             self._handles.append(unit.module.register_forward_pre_hook(pre))
             self._handles.append(unit.module.register_forward_hook(post))
 
-    def _call_before_forward(self, unit: _Unit, module, args) -> None:
+    def _call_before_forward(self, unit: FlatUnit, module, args) -> None:
         self.before_forward(unit)
 
-    def _call_after_forward(self, unit: _Unit, module, args, output) -> None:
+    def _call_after_forward(self, unit: FlatUnit, module, args, output) -> None:
         self.after_forward(unit, output)
 
-    def step_unit(self, unit: _Unit) -> None:
+    def step_unit(self, unit: FlatUnit) -> None:
         """Stage 3: step this rank's parameter shard; nothing to gather."""
         self._adam(unit.param_shard, unit.grad_shard, unit)  # the next forward gathers it
 
-    def _gathered(self, unit: _Unit) -> bool:
+    def _gathered(self, unit: FlatUnit) -> bool:
         return unit.full_param.untyped_storage().nbytes() > 0
 
-    def gather_params(self, unit: _Unit) -> None:
+    def gather_params(self, unit: FlatUnit) -> None:
         """Give the unit's flat buffer its bytes back and all-gather every rank's shard into it:
         the module's parameters, views of that buffer, hold the whole numbers again."""
         if self._gathered(unit):
@@ -162,16 +162,16 @@ class ZeroStage3(ZeroStage2):
         storage.resize_(unit.padded * unit.full_param.element_size())  # memory for the unit
         self._all_gather(unit.full_param, unit.param_shard)  # communication: all-gather
 
-    def free_params(self, unit: _Unit) -> None:
+    def free_params(self, unit: FlatUnit) -> None:
         """Drop the gathered parameters; only this rank's ``param_shard`` stays."""
         unit.full_param.untyped_storage().resize_(0)
 
-    def before_forward(self, unit: _Unit) -> None:
+    def before_forward(self, unit: FlatUnit) -> None:
         """A forward pre-hook: gather the unit just in time."""
         self.gather_params(unit)
         self._measure(f"forward {unit.name}: gathered")
 
-    def after_forward(self, unit: _Unit, output) -> None:
+    def after_forward(self, unit: FlatUnit, output) -> None:
         """A forward hook: free the unit, and ask to hear when its output's gradient arrives."""
         self.free_params(unit)
         outputs = output if isinstance(output, tuple | list) else (output,)
@@ -180,7 +180,7 @@ class ZeroStage3(ZeroStage2):
                 unit.gathered_for_backward = False
                 out.register_hook(lambda grad, unit=unit: self.before_backward(unit))
 
-    def before_backward(self, unit: _Unit) -> None:
+    def before_backward(self, unit: FlatUnit) -> None:
         """The unit's output gradient has arrived, so its backward is next: gather it again.
         (:meth:`reduce_scatter_grad` frees it once its gradient is reduce-scattered.)"""
         self._queue_end_of_backward()
@@ -189,12 +189,12 @@ class ZeroStage3(ZeroStage2):
             self.gather_params(unit)
             self._measure(f"backward {unit.name}: gathered")
 
-    def reduce_scatter_grad(self, unit: _Unit) -> None:
+    def reduce_scatter_grad(self, unit: FlatUnit) -> None:
         super().reduce_scatter_grad(unit)
         self.free_params(unit)
         unit.gathered_for_backward = False
 
-    def _reached_in_backward(self, unit: _Unit) -> bool:
+    def _reached_in_backward(self, unit: FlatUnit) -> bool:
         return unit.full_grad is not None or self._gathered(unit)
 
 
@@ -204,5 +204,5 @@ STAGE_CLASSES = (ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3)
 def zero_data_parallel(module: nn.Module, stage: int, **kwargs) -> ZeroStage0:
     """ZeRO ``stage`` 0-3 around ``module`` (:class:`ZeroStage0` ... :class:`ZeroStage3`), with
     the keyword arguments of :class:`ZeroStage0`."""
-    _check_stage(stage)
+    check_stage(stage)
     return STAGE_CLASSES[stage](module, **kwargs)

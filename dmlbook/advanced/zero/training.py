@@ -1,6 +1,6 @@
 """Rank functions that train with ZeRO, and the references it must equal (chapter 9b).
 
-:func:`train` trains with a stage; :func:`ddp_train` is plain data parallelism (chapter 3's
+:func:`zero_train` trains with a stage; :func:`ddp_train` is plain data parallelism (chapter 3's
 BucketedDDP or torch's DDP) with Adam; :func:`fsdp2_train` is torch's stage 3, FSDP2. All three
 run the one training loop (:func:`~dmlbook.data_parallel.loop.train_loop`) on this rank's rows of
 each global batch (:func:`~dmlbook.comm.groups.local_rows`); what differs is the model wrapper
@@ -44,13 +44,13 @@ class _MeasureLastStep(Callback):
             self.zero.memory.reset()
             self.zero.sent_bytes = dict.fromkeys(self.zero.sent_bytes, 0)
             if self.record_sends:
-                self.sent = self.stack.enter_context(C.recording())
+                self.sent = self.stack.enter_context(C.recording_sends())
 
     def on_step(self, state: LoopState) -> None:
         self.stack.close()  # the last step's recording ends with its optimizer step
 
 
-def train(
+def zero_train(
     make_model: Callable[[], nn.Module],
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     stage: int,

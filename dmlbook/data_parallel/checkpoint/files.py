@@ -72,7 +72,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)  # 3. the rename is an entry in the directory: make it durable
+    fsync_directory(path.parent)  # 3. the rename is an entry in the directory: make it durable
     return path
 
 
@@ -94,7 +94,8 @@ def remove_killed_saves(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` (a rename into it) durable: fsync the directory."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -223,7 +224,7 @@ def _read(path: Path) -> dict:
     return checkpoint
 
 
-def _mismatches(saved: dict[str, tuple], ours: dict[str, tuple]) -> list[str]:
+def shape_mismatches(saved: dict[str, tuple], ours: dict[str, tuple]) -> list[str]:
     """What differs between two {name: shape} tables, one line per kind of difference."""
     problems = []
     if missing := sorted(ours.keys() - saved.keys()):
@@ -239,7 +240,7 @@ def _mismatches(saved: dict[str, tuple], ours: dict[str, tuple]) -> list[str]:
 def _check_fits(path: Path, checkpoint: dict, model: nn.Module, optimizer) -> None:
     """Name every mismatch before anything is modified, so a failed load changes nothing."""
     saved = {k: tuple(v.shape) for k, v in checkpoint["model"].items()}
-    problems = _mismatches(saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    problems = shape_mismatches(saved, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     if optimizer is not None:
         sizes = [len(g["params"]) for g in checkpoint["optimizer"]["param_groups"]]
         here = [len(g["params"]) for g in optimizer.param_groups]

@@ -15,8 +15,8 @@ from torch import nn
 
 from dmlbook.comm.groups import barrier, group_rank_size
 from dmlbook.data_parallel.checkpoint.files import (
-    _fsync_directory,
-    _mismatches,
+    fsync_directory,
+    shape_mismatches,
 )
 
 
@@ -62,7 +62,7 @@ def save_sharded(
             directory.rename(old)
         partial.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_directory(directory.parent)
+        fsync_directory(directory.parent)
     barrier(group)
     return directory
 
@@ -106,7 +106,7 @@ def _check_sharded_fits(directory: Path, saved: dict, model: nn.Module, optimize
     # DCP's metadata keys are flattened paths ("model.layers.0.weight"), sizes global shapes.
     theirs = {k: tuple(getattr(m, "size", ())) for k, m in saved.items() if k.startswith("model.")}
     ours = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}  # global too
-    problems = _mismatches(theirs, ours)
+    problems = shape_mismatches(theirs, ours)
     if optimizer is not None and not any(k.startswith("optimizer.") for k in saved):
         problems.append("no optimizer state was saved: load with optimizer=None")
     if problems:

@@ -1,8 +1,8 @@
 """A parameter server, from point-to-point messages: sharded, synchronous, async, bounded staleness.
 
 Chapter 2 ("Parameter server and All-Reduce") builds its parameter server (PS) with this module.
-Every rank calls :func:`train` inside :func:`dmlbook.launch.run` (or under torchrun); the rank
-decides its role:
+Every rank calls :func:`train_parameter_server` inside :func:`dmlbook.launch.run` (or under
+torchrun); the rank decides its role:
 
 * ranks ``0 .. servers-1`` are **servers**. Each holds one shard of the model and applies SGD to
   it with the gradients the workers push;
@@ -19,9 +19,9 @@ holds at most ``total / servers + largest tensor``, so one big layer can still m
 
 **Consistency.** A worker's *clock* is how many gradients it has pushed. A server answers a pull
 for clock ``c`` only when ``c - slowest <= bound``, where ``slowest`` is the lowest clock of any
-worker. ``train`` takes the consistency model as an object (``PSConfig.consistency``, from
-:mod:`~dmlbook.data_parallel.ps.consistency`) that knows its ``bound`` and whether the server
-applies each gradient ``on_arrival``:
+worker. ``train_parameter_server`` takes the consistency model as an object
+(``PSConfig.consistency``, from :mod:`~dmlbook.data_parallel.ps.consistency`) that knows its
+``bound`` and whether the server applies each gradient ``on_arrival``:
 
 * ``Synchronous()`` (bulk-synchronous, the default): bound 0, and the server applies the W
   gradients of a step together, once all have arrived. This is synchronous SGD on the global
@@ -79,11 +79,11 @@ from dmlbook.data_parallel.ps.consistency import (
     BoundedStaleness,
     Consistency,
     Synchronous,
-    _check_consistency,
+    check_consistency,
 )
 from dmlbook.data_parallel.ps.messages import Cluster, Traffic
 from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost, WorkerResult, global_losses
-from dmlbook.data_parallel.ps.server import _serve, requests, server_loop
+from dmlbook.data_parallel.ps.server import requests, run_server, server_loop
 from dmlbook.data_parallel.ps.sharding import (
     SHARDINGS,
     assemble_model,
@@ -91,7 +91,7 @@ from dmlbook.data_parallel.ps.sharding import (
     bytes_per_step,
     shard_ranges,
 )
-from dmlbook.data_parallel.ps.worker import _plan, _work, pull, push, worker_loop
+from dmlbook.data_parallel.ps.worker import pull, push, run_worker, worker_loop, worker_plan
 
 __all__ = [
     "PSConfig",
@@ -102,7 +102,7 @@ __all__ = [
     "assign_shards",
     "shard_ranges",
     "bytes_per_step",
-    "train",
+    "train_parameter_server",
     "assemble_model",
     "Traffic",
     "ServerResult",
@@ -130,7 +130,7 @@ class PSConfig:
     sharding: str = "flat"  # "flat" (equal pieces of the flat vector) or "tensor" (whole tensors)
 
 
-def train(
+def train_parameter_server(
     model_fn: Callable[[], nn.Module],
     x: torch.Tensor,
     y: torch.Tensor,
@@ -154,7 +154,7 @@ def train(
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "ps.train runs on the ranks of a process group: call it inside "
+            "ps.train_parameter_server runs on the ranks of a process group: call it inside "
             "dmlbook.launch.run(fn, servers + workers) or under torchrun"
         )
     if not isinstance(config, PSConfig):
@@ -182,9 +182,9 @@ def train(
         gloo_thread.follow_env()  # that group's transport thread, as DMLBOOK_GLOO_LOOP says
     cluster = Cluster(servers=servers, workers=workers, ranges=ranges, comm=comm)
     if rank < servers:
-        return _serve(model, rank, lr, consistency, members, cluster)
-    plan = _plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
-    return _work(model, rank, x, y, plan, config, cluster, delay=delay, loss_fn=loss_fn)
+        return run_server(model, rank, lr, consistency, members, cluster)
+    plan = worker_plan(len(x), rank, global_batch, epochs, seed, members, servers, workers)
+    return run_worker(model, rank, x, y, plan, config, cluster, delay=delay, loss_fn=loss_fn)
 
 
 def _check_members(members, servers: int, workers: int, consistency, epochs: int) -> None:
@@ -216,7 +216,7 @@ def _check(model, x, y, servers, world, global_batch, lr, epochs, consistency, s
             f"no workers: world size {world} with servers={servers}; "
             f"launch servers + workers ranks (ranks {servers}.. are the workers)"
         )
-    _check_consistency(consistency)
+    check_consistency(consistency)
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if global_batch < 1:
@@ -237,7 +237,10 @@ def _check(model, x, y, servers, world, global_batch, lr, epochs, consistency, s
     if len({p.dtype for p in model.parameters()}) != 1:
         raise ValueError("the model's parameters must exist and share one dtype (one flat vector)")
     if next(model.buffers(), None) is not None:
-        raise ValueError("ps.train serves parameters only; this model has buffers it cannot sync")
+        raise ValueError(
+            "ps.train_parameter_server serves parameters only; "
+            "this model has buffers it cannot sync"
+        )
 
 
 def _pauses_ok(pause) -> bool:

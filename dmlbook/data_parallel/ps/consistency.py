@@ -9,7 +9,7 @@ object that answers the two questions the server asks:
 * ``on_arrival``: whether the server applies each gradient as it arrives, or holds a step's
   gradients until all of them are in and applies them together.
 
-:func:`dmlbook.data_parallel.ps.train` takes one as ``consistency=`` (default
+:func:`dmlbook.data_parallel.ps.train_parameter_server` takes one as ``consistency=`` (default
 :class:`Synchronous`). The three cover the spectrum the book describes, from bulk-synchronous to
 fully asynchronous, with stale synchronous parallel (Ho et al., NeurIPS 2013) between them.
 """
@@ -62,7 +62,8 @@ class Asynchronous:
     on_arrival: ClassVar[bool] = True
 
 
-Consistency = Synchronous | BoundedStaleness | Asynchronous  # what ps.train's consistency takes
+# What ps.train_parameter_server's consistency= takes.
+Consistency = Synchronous | BoundedStaleness | Asynchronous
 _CALLS = {  # how to create each, for the error message
     Synchronous: "Synchronous()",
     BoundedStaleness: "BoundedStaleness(k)",
@@ -70,7 +71,7 @@ _CALLS = {  # how to create each, for the error message
 }
 
 
-def _check_consistency(consistency) -> None:
+def check_consistency(consistency) -> None:
     """Reject anything but an instance of the three, with a message naming what is accepted."""
     if isinstance(consistency, Consistency):
         return

@@ -39,7 +39,7 @@ class Traffic:
         return self.payload_received + self.header_received
 
 
-def _send(t: torch.Tensor, dst: int, tag: int, traffic: Traffic, comm, wait=True):
+def send_counted(t: torch.Tensor, dst: int, tag: int, traffic: Traffic, comm, wait=True):
     """Send ``t`` to ``dst``, counting its bytes; return the request if ``wait`` is False."""
     size = t.numel() * t.element_size()
     if t.dtype == torch.int64:
@@ -50,7 +50,8 @@ def _send(t: torch.Tensor, dst: int, tag: int, traffic: Traffic, comm, wait=True
     return work.wait() if wait else work
 
 
-def _count_received(t: torch.Tensor, traffic: Traffic) -> None:
+def count_received(t: torch.Tensor, traffic: Traffic) -> None:
+    """Count a received ``t``'s bytes in ``traffic`` (int64: a header, else payload)."""
     size = t.numel() * t.element_size()
     if t.dtype == torch.int64:
         traffic.header_received += size

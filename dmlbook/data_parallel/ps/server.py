@@ -26,11 +26,11 @@ from dmlbook.data_parallel.ps.messages import (
     REQUEST,
     Cluster,
     Traffic,
-    _count_received,
-    _send,
+    count_received,
+    send_counted,
 )
 from dmlbook.data_parallel.ps.results import ServerResult, WorkerLost
-from dmlbook.data_parallel.ps.sharding import _take
+from dmlbook.data_parallel.ps.sharding import take_shard
 
 
 def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, comm) -> None:
@@ -50,11 +50,13 @@ def _listen(worker: int, numel: int, dtype: torch.dtype, events: queue.Queue, co
         events.put((worker, torch.tensor([LOST, -1, -1]), e))
 
 
-def _serve(model, rank, lr, consistency: Consistency, members, cluster: Cluster) -> ServerResult:
+def run_server(
+    model, rank, lr, consistency: Consistency, members, cluster: Cluster
+) -> ServerResult:
     """Set up a server (its shard, one listening thread per worker), run :func:`server_loop`."""
     start = time.perf_counter()
     mine = cluster.ranges[rank]
-    shard = _take(parameters_to_vector(model.parameters()).detach(), mine)
+    shard = take_shard(parameters_to_vector(model.parameters()).detach(), mine)
     result = ServerResult(rank, mine, shard, 0, [], [], Traffic(), 0.0)
     server_loop(shard, lr, consistency, requests(shard, cluster, result), cluster, result, members)
     result.seconds = time.perf_counter() - start
@@ -101,8 +103,8 @@ def _reply(worker: int, shard, lead: int, cluster: Cluster, result: ServerResult
     """Answer a pull: a header [version, how far the worker is ahead], then the shard."""
     result.timeline.append((worker, "reply", time.perf_counter()))  # the answer leaves now
     header = torch.tensor([result.updates, lead])
-    _send(header, worker, REPLY, result.traffic, cluster.comm)
-    _send(shard, worker, PARAMS, result.traffic, cluster.comm)
+    send_counted(header, worker, REPLY, result.traffic, cluster.comm)
+    send_counted(shard, worker, PARAMS, result.traffic, cluster.comm)
 
 
 def requests(shard, cluster: Cluster, result: ServerResult):
@@ -127,11 +129,11 @@ def requests(shard, cluster: Cluster, result: ServerResult):
                 result.updates,
                 shard.clone(),
             )
-        _count_received(header, result.traffic)
+        count_received(header, result.traffic)
         if kind in (PULL, PUSH):  # when the server takes it up
             result.timeline.append((w, "pull" if kind == PULL else "push", time.perf_counter()))
         if kind == PUSH:
-            _count_received(grad, result.traffic)
+            count_received(grad, result.traffic)
             pushed[w] += 1
         elif kind == DONE:
             done.add(w)

@@ -69,20 +69,20 @@ def bytes_per_step(model_bytes: int, servers: int, workers: int) -> dict[str, fl
     }
 
 
-def _load(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+def load_flat(params: list[nn.Parameter], flat: torch.Tensor) -> None:
     """Copy the flat vector into the parameters (the inverse of ``parameters_to_vector``)."""
     with torch.no_grad():
         for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.copy_(value.view_as(p))
 
 
-def _take(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+def take_shard(flat: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The slices ``ranges`` of the flat vector, one after the other: a server's shard."""
     return torch.cat([flat[a:b] for a, b in ranges])
 
 
-def _put(flat: torch.Tensor, ranges: list[tuple[int, int]], shard: torch.Tensor) -> int:
-    """Write a shard back into its slices of the flat vector (the inverse of ``_take``)."""
+def put_shard(flat: torch.Tensor, ranges: list[tuple[int, int]], shard: torch.Tensor) -> int:
+    """Write a shard back into its slices of the flat vector (the inverse of ``take_shard``)."""
     offset = 0
     for a, b in ranges:
         flat[a:b] = shard[offset : offset + b - a]
@@ -91,10 +91,13 @@ def _put(flat: torch.Tensor, ranges: list[tuple[int, int]], shard: torch.Tensor)
 
 
 def assemble_model(model: nn.Module, results: Sequence[ServerResult | WorkerResult]) -> nn.Module:
-    """Load the servers' shards (from :func:`train`'s results, in any order) into ``model``."""
+    """Load the servers' shards (the results of
+    :func:`~dmlbook.data_parallel.ps.train_parameter_server`, in any order) into ``model``."""
     flat = parameters_to_vector(model.parameters()).detach().clone()
-    covered = sum(_put(flat, r.ranges, r.shard) for r in results if isinstance(r, ServerResult))
+    covered = sum(
+        put_shard(flat, r.ranges, r.shard) for r in results if isinstance(r, ServerResult)
+    )
     if covered != flat.numel():
         raise ValueError(f"the servers' shards cover {covered} of {flat.numel()} parameters")
-    _load(list(model.parameters()), flat)
+    load_flat(list(model.parameters()), flat)
     return model

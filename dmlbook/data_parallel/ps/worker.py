@@ -1,6 +1,7 @@
 """A parameter-server worker: pull the model, compute its share of the gradient, push it (ch. 2).
 
-:func:`worker_loop` is the worker chapter 2 shows; ``_work`` sets it up (device, pauses, timing)."""
+:func:`worker_loop` is the worker chapter 2 shows; :func:`run_worker` sets it up (device, pauses,
+timing), and :func:`worker_plan` says which samples each of its steps takes."""
 
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ from dmlbook.data_parallel.ps.messages import (
     REPLY,
     REQUEST,
     Cluster,
-    _count_received,
-    _send,
+    count_received,
+    send_counted,
 )
 from dmlbook.data_parallel.ps.results import WorkerResult
-from dmlbook.data_parallel.ps.sharding import _load, _put, _take
+from dmlbook.data_parallel.ps.sharding import load_flat, put_shard, take_shard
 from dmlbook.datasets import shard_indices
 
 
-def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
+def worker_plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
     """This worker's steps: (global step, its sample indices), in order.
 
     Without ``members`` every worker works every step, on its strided share of the epoch
@@ -53,7 +54,9 @@ def _plan(samples, rank, global_batch, epochs, seed, members, servers, workers):
             yield r, batch[start:stop]
 
 
-def _work(model, rank, x, y, plan, config, cluster: Cluster, *, delay, loss_fn) -> WorkerResult:
+def run_worker(
+    model, rank, x, y, plan, config, cluster: Cluster, *, delay, loss_fn
+) -> WorkerResult:
     """Set up a worker, run :func:`worker_loop`, report. ``config`` is the run's
     :class:`~dmlbook.data_parallel.ps.PSConfig`."""
     start, me = time.perf_counter(), rank - cluster.servers
@@ -82,7 +85,7 @@ def worker_loop(model, batches, global_batch, cluster, result, loss_fn, pause) -
     flat = parameters_to_vector(params).detach().cpu()  # the model as last pulled
     for step, idx, inputs, targets in batches:
         versions, gap = pull(flat, step, cluster, result.traffic)  # communication
-        _load(params, flat)
+        load_flat(params, flat)
         loss = loss_fn(model(inputs), targets)  # the mean over its samples
         model.zero_grad(set_to_none=True)
         (loss * len(idx) / global_batch).backward()  # its share of the global batch's mean
@@ -95,7 +98,9 @@ def worker_loop(model, batches, global_batch, cluster, result, loss_fn, pause) -
 
 def _done(cluster: Cluster, result: WorkerResult) -> None:
     for s in range(cluster.servers):
-        _send(torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, cluster.comm)
+        send_counted(
+            torch.tensor([DONE, result.steps, 0]), s, REQUEST, result.traffic, cluster.comm
+        )
 
 
 def push(grad, clock, versions, cluster: Cluster, traffic) -> None:
@@ -103,9 +108,9 @@ def push(grad, clock, versions, cluster: Cluster, traffic) -> None:
     pending = []
     for s in range(cluster.servers):
         header = torch.tensor([PUSH, clock, versions[s]])
-        pending.append(_send(header, s, REQUEST, traffic, cluster.comm, wait=False))
-        piece = _take(grad, cluster.ranges[s])
-        pending.append(_send(piece, s, GRADIENT, traffic, cluster.comm, wait=False))
+        pending.append(send_counted(header, s, REQUEST, traffic, cluster.comm, wait=False))
+        piece = take_shard(grad, cluster.ranges[s])
+        pending.append(send_counted(piece, s, GRADIENT, traffic, cluster.comm, wait=False))
     for work in pending:
         work.wait()
 
@@ -122,11 +127,11 @@ def pull(flat, clock, cluster: Cluster, traffic) -> tuple[list[int], int]:
         pending.append(dist.irecv(headers[s], s, group=comm, tag=REPLY))
         pending.append(dist.irecv(shards[s], s, group=comm, tag=PARAMS))
     for s in range(len(ranges)):
-        _send(torch.tensor([PULL, clock, 0]), s, REQUEST, traffic, comm)
+        send_counted(torch.tensor([PULL, clock, 0]), s, REQUEST, traffic, comm)
     for work in pending:
         work.wait()  # a server may hold its answer back: the staleness bound
     for s, r in enumerate(ranges):
-        _count_received(headers[s], traffic)
-        _count_received(shards[s], traffic)
-        _put(flat, r, shards[s])
+        count_received(headers[s], traffic)
+        count_received(shards[s], traffic)
+        put_shard(flat, r, shards[s])
     return [int(h[0]) for h in headers], max(int(h[1]) for h in headers)

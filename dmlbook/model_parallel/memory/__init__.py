@@ -29,7 +29,9 @@ checked against our char-GPT on a CPU to within a few percent:
 
 The parts, each a module of this package: ``spec`` (what a model is, bytes per number),
 ``estimate``, ``measure``, ``device_cap`` (the memory cap) and ``hardware`` (the GPU table);
-every name is importable from ``dmlbook.model_parallel.memory`` itself. Chapter 5's picture of a
+the names above are importable from ``dmlbook.model_parallel.memory`` itself, while what the
+parts share (per-layer parameter counts, bytes per precision, argument checks) stays in its
+module. Chapter 5's picture of a
 model split into stages is :func:`dmlbook.viz.model_split`.
 """
 

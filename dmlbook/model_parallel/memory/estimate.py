@@ -8,19 +8,19 @@ from dataclasses import dataclass, field, replace
 from dmlbook.model_parallel import pipeline
 from dmlbook.model_parallel.memory.kernels import reduction_scratch_bytes
 from dmlbook.model_parallel.memory.spec import (
-    _BYTES,
     ADAM_STEP_BYTES,
     ATTENTIONS,
+    BYTES_BY_PRECISION,
     COMPONENTS,
     DEVICES,
     INDEX_BYTES,
     LSE_BYTES,
     PRECISIONS,
     TransformerSpec,
-    _block_params,
-    _check_choice,
-    _head_params,
-    _layer_params,
+    block_params,
+    check_choice,
+    head_params,
+    layer_params,
     state_bytes_per_parameter,
 )
 from dmlbook.model_parallel.recompute import (
@@ -33,7 +33,7 @@ from dmlbook.model_parallel.recompute import (
 
 def _stats_bytes(precision: str, device: str) -> int:
     """LayerNorm's mean and 1/std: fp32 on CUDA whatever the input; the input's dtype on a CPU."""
-    return 4 if device == "cuda" else _BYTES[precision].stats
+    return 4 if device == "cuda" else BYTES_BY_PRECISION[precision].stats
 
 
 def _mask_bytes(tensor_bytes: int, device: str) -> int:
@@ -60,7 +60,7 @@ def block_saved_terms(
     """
     attention = _attention(spec, attention, device)
     b, s, h, f, a = batch, seq, spec.d_model, spec.d_ff, spec.n_head
-    by = _BYTES[precision]
+    by = BYTES_BY_PRECISION[precision]
     tokens, scores = b * s, b * a * s * s
     terms = {
         "LayerNorm inputs (2)": 2 * tokens * h * by.residual,
@@ -88,12 +88,12 @@ def block_saved_terms(
             2 * tokens * h * _mask_bytes(by.act, device)
         )
     if by.weight_copy:
-        terms["bf16 copies of the weights"] = _block_params(spec).linear_weights * by.weight_copy
+        terms["bf16 copies of the weights"] = block_params(spec).linear_weights * by.weight_copy
     return terms
 
 
 def _embed_saved(spec: TransformerSpec, b: int, s: int, precision: str, device: str) -> int:
-    by = _BYTES[precision]
+    by = BYTES_BY_PRECISION[precision]
     saved = INDEX_BYTES * (b * s + s)  # token ids for the embedding's backward; positions
     if spec.token_types:
         saved += INDEX_BYTES * b * s  # segment ids
@@ -105,9 +105,9 @@ def _embed_saved(spec: TransformerSpec, b: int, s: int, precision: str, device: 
 
 
 def _head_saved(spec: TransformerSpec, b: int, s: int, precision: str, device: str) -> int:
-    by = _BYTES[precision]
+    by = BYTES_BY_PRECISION[precision]
     h, tokens = spec.d_model, b * s
-    copies = _head_params(spec).linear_weights * by.weight_copy
+    copies = head_params(spec).linear_weights * by.weight_copy
     if spec.head == "classifier":
         # The pooler reads [CLS] as a view of the last hidden states, which keeps them all alive;
         # then tanh, dropout and the classifier on (b, h); the loss on (b, labels).
@@ -141,7 +141,7 @@ def _transient(
     (``head_saved=None``) also keeps its output and the gradient that comes back for it. (A loop
     that keeps the logits, ``logits, loss = model(x, y)``, holds one more logits-sized tensor.)
     """
-    by = _BYTES[precision]
+    by = BYTES_BY_PRECISION[precision]
     tokens, h, f = b * s, spec.d_model, spec.d_ff
     weight_gradient = h * f * (by.param + by.weight_copy)
     # Backward through fc2 (d_ff -> h): its input's gradient, its weight's, its bias's sum.
@@ -172,10 +172,10 @@ def _transient(
 def _attention(spec: TransformerSpec, attention: str | None, device: str) -> str:
     """The attention path torch takes unless told: on a CPU, attention dropout needs the math
     path; otherwise, and always on CUDA, a fused kernel."""
-    _check_choice("device", device, DEVICES)
+    check_choice("device", device, DEVICES)
     if attention is None:
         return "math" if device == "cpu" and spec.dropout > 0 else "fused"
-    _check_choice("attention", attention, ATTENTIONS)
+    check_choice("attention", attention, ATTENTIONS)
     return attention
 
 
@@ -275,7 +275,7 @@ def _layer_rows(
     ]
     names = ["embed", *(f"block {i}" for i in range(spec.n_layer)), "head"]
     rows = []
-    for name, params, act in zip(names, _layer_params(spec), saved, strict=True):
+    for name, params, act in zip(names, layer_params(spec), saved, strict=True):
         steps = ADAM_STEP_BYTES * params.tensors if optimizer == "adam" else 0
         rows.append(
             LayerMemory(
@@ -284,7 +284,7 @@ def _layer_rows(
                 params.numel * per["gradients"],
                 params.numel * per["optimizer_state"] + steps,
                 act,
-                checkpoint_input=b * s * spec.d_model * _BYTES[precision].residual,
+                checkpoint_input=b * s * spec.d_model * BYTES_BY_PRECISION[precision].residual,
             )
         )
     return rows
@@ -310,7 +310,8 @@ def _activation_peak(rows: Sequence[LayerMemory], segments: int | None) -> int:
     return max([forward, *peaks])
 
 
-def _validate(batch: int, seq: int, spec: TransformerSpec) -> None:
+def check_batch_and_seq(batch: int, seq: int, spec: TransformerSpec) -> None:
+    """A ValueError unless batch and seq are integers >= 1 and seq fits the model's positions."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
@@ -319,7 +320,8 @@ def _validate(batch: int, seq: int, spec: TransformerSpec) -> None:
         raise ValueError(f"seq={seq} exceeds {spec.name}'s {spec.max_positions} positions")
 
 
-def _segments(recompute: bool | int, n_blocks: int) -> int | None:
+def recompute_segment_count(recompute: bool | int, n_blocks: int) -> int | None:
+    """The checkpoint segments ``recompute`` asks for (True: sqrt of the blocks; off: None)."""
     if recompute is False or recompute == 0 or n_blocks == 0:
         return None
     if recompute is True:
@@ -348,8 +350,8 @@ def estimate_stages(
     parallelism runs them: one micro-batch in flight.
     ``recompute`` checkpoints each stage's own blocks (``True``: sqrt(blocks) segments)."""
     seq = spec.max_positions if seq is None else seq
-    _validate(batch, seq, spec)
-    _check_choice("precision", precision, PRECISIONS)
+    check_batch_and_seq(batch, seq, spec)
+    check_choice("precision", precision, PRECISIONS)
     rows = _layer_rows(spec, batch, seq, precision, optimizer, attention, device)
     counts = list(counts) if counts is not None else pipeline.even_partition(len(rows), stages)
     if sum(counts) != len(rows) or any(c < 1 for c in counts) or len(counts) != stages:
@@ -362,7 +364,7 @@ def estimate_stages(
         mine = rows[start : start + count]
         start += count
         n_blocks = sum(r.name.startswith("block") for r in mine)
-        segments = _segments(recompute, n_blocks)
+        segments = recompute_segment_count(recompute, n_blocks)
         out.append(
             MemoryEstimate(
                 spec, batch, seq, precision, optimizer, mine, _activation_peak(mine, segments),

@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.model_parallel import pipeline
-from dmlbook.model_parallel.memory.estimate import _segments, _validate
+from dmlbook.model_parallel.memory.estimate import check_batch_and_seq, recompute_segment_count
 from dmlbook.model_parallel.memory.spec import (
     COMPONENTS,
     OPTIMIZERS,
     PRECISIONS,
-    _check_choice,
+    check_choice,
     spec_of,
 )
 from dmlbook.model_parallel.recompute import (
@@ -74,7 +74,7 @@ def _storage_bytes(tensors) -> int:
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     """The optimizer ``estimate`` means by ``name`` (learning rates do not change memory)."""
-    _check_choice("optimizer", name, OPTIMIZERS)
+    check_choice("optimizer", name, OPTIMIZERS)
     if name == "adam":
         return torch.optim.Adam(params, lr=1e-3)
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9 if name == "sgd_momentum" else 0.0)
@@ -163,9 +163,9 @@ def measure(
 ) -> MemoryMeasurement:
     """Measure real training steps of a copy of ``model`` (see :func:`measure_step`), with the
     same options as :func:`estimate`; without recomputation, also each layer's saved bytes."""
-    _check_choice("precision", precision, PRECISIONS)
+    check_choice("precision", precision, PRECISIONS)
     seq = model.config.block_size if seq is None else seq
-    _validate(batch, seq, spec_of(model))
+    check_batch_and_seq(batch, seq, spec_of(model))
     device = torch.device(device)
     model = copy.deepcopy(model).to(device).train()
     if precision == "bf16":
@@ -174,7 +174,7 @@ def measure(
     vocab = model.config.vocab_size
     idx, targets = (torch.randint(vocab, (batch, seq), generator=g).to(device) for _ in range(2))
     chain = layer_chain(model)
-    segments = _segments(recompute, len(chain.layers))
+    segments = recompute_segment_count(recompute, len(chain.layers))
     autocast = partial(torch.autocast, device.type, torch.bfloat16, enabled=precision == "mixed")
     checkpoint = None
     if segments:
@@ -229,7 +229,7 @@ def memory_timeline(
     ``zero_grad``; activations grow through forward and are freed through backward.
     """
     seq = model.config.block_size if seq is None else seq
-    _validate(batch, seq, spec_of(model))
+    check_batch_and_seq(batch, seq, spec_of(model))
     model = copy.deepcopy(model).train()
     params = list(model.parameters())
     opt = make_optimizer(optimizer, params)
@@ -290,7 +290,7 @@ def measure_stage(
     """
     rank, stages = dist.get_rank(), dist.get_world_size()
     seq = model.config.block_size if seq is None else seq
-    _validate(batch, seq, spec_of(model))
+    check_batch_and_seq(batch, seq, spec_of(model))
     layers = pipeline.layers_of(model.train())
     counts = list(counts) if counts is not None else pipeline.even_partition(len(layers), stages)
     parts = pipeline.split_model(layers, counts)

@@ -93,7 +93,7 @@ def spec_of(model: CharGPT) -> TransformerSpec:
 
 
 @dataclass(frozen=True)
-class _Bytes:
+class PrecisionBytes:
     """Bytes per element of each kind of tensor a step keeps, for one precision."""
 
     param: int  # weights as the model holds them (the fp32 master copy in mixed precision)
@@ -104,19 +104,21 @@ class _Bytes:
     weight_copy: int  # autocast's low-precision copy of each Linear weight, saved for backward
 
 
-_BYTES = {
-    "fp32": _Bytes(param=4, act=4, residual=4, stats=4, loss=4, weight_copy=0),
-    "bf16": _Bytes(param=2, act=2, residual=2, stats=2, loss=2, weight_copy=0),
+# Each precision's PrecisionBytes: what the estimator multiplies element counts by.
+BYTES_BY_PRECISION = {
+    "fp32": PrecisionBytes(param=4, act=4, residual=4, stats=4, loss=4, weight_copy=0),
+    "bf16": PrecisionBytes(param=2, act=2, residual=2, stats=2, loss=2, weight_copy=0),
     # torch.autocast(bfloat16): fp32 weights, gradients and optimizer state; matmuls in bf16 on
     # bf16 copies of their inputs and weights; LayerNorm, residual adds and the loss in fp32.
-    "mixed": _Bytes(param=4, act=2, residual=4, stats=4, loss=4, weight_copy=2),
+    "mixed": PrecisionBytes(param=4, act=2, residual=4, stats=4, loss=4, weight_copy=2),
 }
 LSE_BYTES = 4  # fused attention keeps one fp32 log-sum-exp per (batch, head, query) in any dtype
 INDEX_BYTES = 8  # token ids, positions and targets are int64
 ADAM_STEP_BYTES = 4  # torch's Adam keeps its step count as a float32 scalar tensor per parameter
 
 
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """A ValueError naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
@@ -129,9 +131,9 @@ def state_bytes_per_parameter(precision: str = "fp32", optimizer: str = "adam") 
     (Rajbhandari et al. 2020) has fp16 weights and gradients (2 + 2) and an fp32 master copy plus
     two moments (12).
     """
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    per = _BYTES[precision].param
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    per = BYTES_BY_PRECISION[precision].param
     buffers = {"sgd": 0, "sgd_momentum": 1, "adam": 2}[optimizer]  # momentum; Adam: m and v
     return {"parameters": per, "gradients": per, "optimizer_state": buffers * per}
 
@@ -140,28 +142,33 @@ def state_bytes_per_parameter(precision: str = "fp32", optimizer: str = "adam") 
 
 
 @dataclass(frozen=True)
-class _Params:
+class ParamCount:
+    """The parameters of one part of a model (a layer, a block), counted from its sizes."""
+
     numel: int  # scalars
     tensors: int  # parameter tensors (Adam keeps a step count for each)
     linear_weights: int  # scalars in Linear weights (mixed precision saves a bf16 copy of each)
 
 
-def _linear(spec: TransformerSpec, fan_in: int, fan_out: int, bias: bool | None = None) -> _Params:
+def _linear(
+    spec: TransformerSpec, fan_in: int, fan_out: int, bias: bool | None = None
+) -> ParamCount:
     bias = spec.bias if bias is None else bias
-    return _Params(fan_in * fan_out + (fan_out if bias else 0), 1 + bias, fan_in * fan_out)
+    return ParamCount(fan_in * fan_out + (fan_out if bias else 0), 1 + bias, fan_in * fan_out)
 
 
-def _norm(spec: TransformerSpec) -> _Params:
-    return _Params(spec.d_model * (1 + spec.bias), 1 + spec.bias, 0)
+def _norm(spec: TransformerSpec) -> ParamCount:
+    return ParamCount(spec.d_model * (1 + spec.bias), 1 + spec.bias, 0)
 
 
-def _total(*parts: _Params) -> _Params:
-    return _Params(
+def _total(*parts: ParamCount) -> ParamCount:
+    return ParamCount(
         *(sum(getattr(p, f) for p in parts) for f in ("numel", "tensors", "linear_weights"))
     )
 
 
-def _block_params(spec: TransformerSpec) -> _Params:
+def block_params(spec: TransformerSpec) -> ParamCount:
+    """One transformer block's parameters: two norms, attention and the feed-forward."""
     h, f = spec.d_model, spec.d_ff
     return _total(
         _norm(spec), _linear(spec, h, 3 * h), _linear(spec, h, h),  # attention: qkv, projection
@@ -169,24 +176,30 @@ def _block_params(spec: TransformerSpec) -> _Params:
     )  # fmt: skip
 
 
-def _embed_params(spec: TransformerSpec) -> _Params:
+def embed_params(spec: TransformerSpec) -> ParamCount:
+    """The embedding tables (tokens, positions, token types) and BERT's norm after them."""
     h = spec.d_model
     tables = (spec.vocab_size + spec.max_positions + spec.token_types) * h
-    parts = [_Params(tables, 2 + (spec.token_types > 0), 0)]
+    parts = [ParamCount(tables, 2 + (spec.token_types > 0), 0)]
     if spec.kind == "encoder":
         parts.append(_norm(spec))  # BERT normalises the summed embeddings
     return _total(*parts)
 
 
-def _head_params(spec: TransformerSpec) -> _Params:
+def head_params(spec: TransformerSpec) -> ParamCount:
+    """The head: GPT's final norm and output layer, or BERT's classifier or MLM decoder."""
     h = spec.d_model
     if spec.head == "classifier":  # BERT: pooler (dense + tanh on [CLS]), then the classifier
         return _total(_linear(spec, h, h), _linear(spec, h, spec.num_labels))
     tied = spec.tied_embeddings
-    out = _Params(0, 0, spec.vocab_size * h) if tied else _linear(spec, h, spec.vocab_size, False)
+    out = (
+        ParamCount(0, 0, spec.vocab_size * h) if tied else _linear(spec, h, spec.vocab_size, False)
+    )
     if spec.head == "lm":  # GPT: final LayerNorm, then the output layer over the vocabulary
         return _total(_norm(spec), out)
-    bias = _Params(spec.vocab_size, 1, 0) if tied else _Params(0, 0, 0)  # BERT's MLM decoder bias
+    bias = (
+        ParamCount(spec.vocab_size, 1, 0) if tied else ParamCount(0, 0, 0)
+    )  # BERT's MLM decoder bias
     return _total(_linear(spec, h, h), _norm(spec), out, bias)  # transform, LayerNorm, decoder
 
 
@@ -194,8 +207,9 @@ def spec_parameters(spec: TransformerSpec) -> int:
     """Parameters of the whole model ``spec`` describes (tied weights counted once), in closed
     form from its sizes, without building it; :func:`dmlbook.models.count_parameters` counts a
     built model's."""
-    return sum(p.numel for p in _layer_params(spec))
+    return sum(p.numel for p in layer_params(spec))
 
 
-def _layer_params(spec: TransformerSpec) -> list[_Params]:
-    return [_embed_params(spec), *[_block_params(spec)] * spec.n_layer, _head_params(spec)]
+def layer_params(spec: TransformerSpec) -> list[ParamCount]:
+    """Each layer's parameters in order: the embedding, every block, the head."""
+    return [embed_params(spec), *[block_params(spec)] * spec.n_layer, head_params(spec)]
