@@ -24,10 +24,17 @@ that failed first (with its traceback); ranks still running at ``timeout`` becom
 returns or raises.
 
 The warm helper leaves after a few idle minutes (:func:`set_helper_idle_timeout`) and comes back
-on the next launch. The ranks rendezvous through a ``FileStore`` in the launch's private folder,
-and their own sockets stay on the loopback interface
-(:func:`dmlbook.runtime.rank_group.rendezvous_env`):
-no other user, and nothing on the network, can join or reach them through the rendezvous.
+on the next launch. The ranks rendezvous through a ``FileStore`` in the launch's private folder
+(mode 0700), and their own sockets stay on the loopback interface
+(:func:`dmlbook.runtime.rank_group.rendezvous_env`) of a network namespace of their own, one per
+launch or session, inside a user namespace of their own (:mod:`dmlbook.runtime.private_net`):
+no other user of the machine can connect to any of their sockets, or find them in
+``/proc/net/tcp``, and nothing on the network can reach them (nor can they reach the network, or
+a server on the machine's 127.0.0.1: fetch data in the caller). Where the kernel refuses user
+namespaces, the ranks share the machine's loopback as they used to, and ``run`` and ``Ranks`` warn
+in one line that their gloo listeners on 127.0.0.1 are reachable by other local users.
+``DMLBOOK_PRIVATE_NET=0`` turns the private network off (the ranks then use the machine's
+loopback, silently); runs under torchrun never use it.
 
 ``run`` starts fresh ranks every call. For ranks that live across notebook cells (chapters 2
 and 9), :class:`Ranks` (:mod:`dmlbook.runtime.session`) keeps them and their namespaces until it

@@ -285,7 +285,7 @@ def test_a_class_of_four_on_one_hub_then_an_nbgrader_round(tmp_path):
         ):
             assert kind in kinds, f"the sampler never saw a {kind} process: {kinds[:2000]}"
         # The hub's, the proxy's and the servers' ports were on 127.0.0.1 only, and every port a
-        # process of the run listened on is closed (the ranks' own are issue 23's item 4: shown)
+        # process of the run listened on is closed (the ranks' own are on a loopback of their own)
         listened = hub.sampler.listened
         known = set(hub.ports) | server_ports  # the proxy's two, the hub's, each server's
         seen_on = {port: address for (port, _), (address, _) in listened.items() if port in known}

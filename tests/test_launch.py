@@ -10,6 +10,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -493,6 +494,7 @@ def test_auto_backend_is_nccl_with_a_gpu_per_rank():
 
 def whose_child():
     return dict(
+        net=os.readlink("/proc/self/ns/net"),  # the run's own network (runtime/private_net.py)
         parent=os.getppid(),
         probe=os.environ.get("DMLBOOK_TEST_PROBE"),
         debug=str(dist.get_debug_level()),
@@ -505,18 +507,26 @@ def test_ranks_fork_from_one_warm_helper_and_see_the_callers_current_environment
 ):
     if not zygote.enabled():
         pytest.skip("DMLBOOK_START=spawn, or not Linux: every rank is a fresh interpreter")
-    first = run(whose_child, 2)
-    helper = zygote.helper().process.pid
-    assert [r["parent"] for r in first] == [helper, helper]
-    # set after the helper started (and imported torch, which reads TORCH_DISTRIBUTED_DEBUG)
-    monkeypatch.setenv("DMLBOOK_TEST_PROBE", "seen")
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    monkeypatch.chdir(tmp_path)
-    second = run(whose_child, 3)
+    with warnings.catch_warnings(record=True) as refused:
+        warnings.simplefilter("always")
+        first = run(whose_child, 2)
+        helper = zygote.helper().process.pid
+        assert [r["parent"] for r in first] == [helper, helper]
+        # set after the helper started (and imported torch, which reads TORCH_DISTRIBUTED_DEBUG)
+        monkeypatch.setenv("DMLBOOK_TEST_PROBE", "seen")
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        monkeypatch.chdir(tmp_path)
+        second = run(whose_child, 3)
     assert zygote.helper().process.pid == helper  # started once, reused
     for r in second:
         assert r["parent"] == helper and r["probe"] == "seen"
         assert r["debug"].endswith("DETAIL") and r["cwd"] == str(tmp_path)
+    # each run's ranks share a network of their own, unless the kernel refused (and it was said)
+    nets = [{r["net"] for r in first}, {r["net"] for r in second}]
+    assert [len(n) for n in nets] == [1, 1]
+    own = os.readlink("/proc/self/ns/net")
+    assert (nets[0] | nets[1] == {own}) == bool(refused), [str(w.message) for w in refused]
+    assert bool(refused) or nets[0] != nets[1]
 
 
 def sleep_then_answer(piddir):
@@ -643,7 +653,11 @@ def test_spawned_ranks_behave_the_same(monkeypatch, tmp_path):
     (tmp_path / "raise").mkdir()
     (tmp_path / "stuck").mkdir()
     assert [r["total"] for r in run(report, 3, 1)] == [6, 6, 6]
-    assert run(whose_child, 1)[0]["parent"] == os.getpid()
+    with warnings.catch_warnings(record=True) as refused:
+        warnings.simplefilter("always")
+        child = run(whose_child, 1)[0]
+    assert child["parent"] == os.getpid()
+    assert (child["net"] == os.readlink("/proc/self/ns/net")) == bool(refused)  # as forked ones
     with pytest.raises(RankError, match="rank 2 failed first") as info:
         run(raise_on_rank_2, 3, str(tmp_path / "raise"))
     assert isinstance(info.value.__cause__, ValueError)

@@ -9,7 +9,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from processes import assert_gone
 
 from dmlbook.launch import RankError, RankTimeoutError
-from dmlbook.ranks import RanksClosedError
+from dmlbook.runtime.errors import RanksClosedError
 
 
 @pytest.fixture(scope="module")

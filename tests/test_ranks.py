@@ -10,16 +10,17 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from processes import assert_gone
 
-from dmlbook.launch import RankError, RankTimeoutError
-from dmlbook.ranks import Ranks, RanksClosedError
+from dmlbook.launch import RankError, Ranks, RankTimeoutError
 from dmlbook.runtime import session as ranks
 from dmlbook.runtime import zygote
+from dmlbook.runtime.errors import RanksClosedError
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_PIDS = (
@@ -275,12 +276,15 @@ def test_no_rank_outlives_a_killed_caller(tmp_path):
         textwrap.dedent(f"""
         import time
         from dmlbook.runtime import zygote
-        from dmlbook.ranks import Ranks
+        from dmlbook.launch import Ranks
         session = Ranks(2)
         session.exec({RECORD_PIDS!r})
         pids = [p for pair in session.pull("pids") for p in pair]
         helper = [zygote.helper().process.pid] if zygote.enabled() else []
-        print("PIDS", *pids, *helper, flush=True)
+        # and the helper's child that makes each run's network (dmlbook.runtime.private_net)
+        makers = [int(c) for h in helper for c in
+                  open(f"/proc/{{h}}/task/{{h}}/children").read().split() if int(c) not in pids]
+        print("PIDS", *pids, *helper, *makers, flush=True)
         time.sleep(600)
     """)
     )
@@ -293,16 +297,22 @@ def test_no_rank_outlives_a_killed_caller(tmp_path):
         caller.wait()
     assert line.startswith("PIDS"), line
     pids = [int(p) for p in line.split()[1:]]
-    assert len(pids) == 4 + zygote.enabled()
+    assert len(pids) == 4 + 2 * zygote.enabled()
     assert_gone(pids)
 
 
 def test_spawned_ranks_serve_the_same(monkeypatch):
     # DMLBOOK_START=spawn: fresh interpreters, the launcher's other way to start ranks
     monkeypatch.setenv("DMLBOOK_START", "spawn")
-    with Ranks(2, timeout=60) as session:
+    with warnings.catch_warnings(record=True) as refused:  # a kernel that refuses them a network
+        warnings.simplefilter("always")
+        session = Ranks(2, timeout=60)
+    with session:
         session.exec("import os\nt = torch.tensor([rank + 1.0])\ndist.all_reduce(t)")
         assert session.exec("t.item(), os.getppid()") == [(3.0, os.getpid())] * 2
+        nets = set(session.exec("os.readlink('/proc/self/ns/net')"))
+        assert len(nets) == 1  # one network for the session's ranks, their own unless refused
+        assert (nets == {os.readlink("/proc/self/ns/net")}) == bool(refused)
         with pytest.raises(RankError, match="line 1"):
             session.exec("1 / 0")
         pids = _pids(session)

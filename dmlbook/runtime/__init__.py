@@ -11,6 +11,8 @@ module imports, even inside a function, one that imports it back):
 * ``shipping``: functions by value, with their file names and the cells' source lines;
 * ``failures``: a rank's failure report, and the ``RankError`` that names the rank that failed
   first;
+* ``private_net``: each run's ranks in a user and network namespace of their own, that no other
+  user can reach (standard library only, beside ``protocol``);
 * ``zygote``: the warm helper that has imported torch and forks the ranks;
 * ``rank_server`` (a session's rank answering requests) and ``rank_process`` (every rank's
   ``main``);

@@ -2,7 +2,8 @@
 
 The machinery behind :func:`dmlbook.launch.run` (every chapter; :mod:`dmlbook.launch` tells the
 idiom). A launch ships the function (:mod:`dmlbook.runtime.shipping`), starts the ranks
-(:class:`~dmlbook.runtime.rank_group.RankGroup`), then watches the private folder for each rank's
+(:class:`~dmlbook.runtime.rank_group.RankGroup`, in a network namespace of their own:
+:mod:`dmlbook.runtime.private_net`), then watches the private folder for each rank's
 result or failure report (:mod:`dmlbook.runtime.protocol`) until every rank has answered, one has
 failed (:mod:`dmlbook.runtime.failures` names the first) or the timeout has passed.
 """

@@ -8,7 +8,9 @@ A :class:`RankGroup` owns, for one launch or one interactive session:
   holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only this
   user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
 * the processes, forked from the warm helper (:mod:`dmlbook.runtime.zygote`) or spawned as fresh
-  interpreters, each in a session of its own, with :func:`threads_per_rank` threads;
+  interpreters, each in a session of its own, with :func:`threads_per_rank` threads, all in a
+  user and network namespace of the group's own (:mod:`dmlbook.runtime.private_net`), so that
+  no other user can connect to their sockets;
 * their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
   caller's thread; the exit of each, timed exactly;
 * for a session, one socket pair per rank (the channel :mod:`dmlbook.runtime.rank_server` serves).
@@ -31,18 +33,25 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from dmlbook.comm import gloo_thread
 from dmlbook.owners import Owner
-from dmlbook.runtime import protocol, zygote
+from dmlbook.runtime import private_net, protocol, zygote
 from dmlbook.runtime.errors import INSIDE_RUN, RankError
 from dmlbook.runtime.failures import classify_failure, readable_dump
 
-# What a spawned rank runs, as ``python -c``; a forked one runs the same function (zygote.py).
-RANK_MAIN = "from dmlbook.runtime.rank_process import main; main()"
+# What a spawned rank runs, as ``python -c``; a forked one does the same (zygote.py): first it
+# joins the run's network (while it has one thread: before torch, whose import may start some).
+RANK_MAIN = (
+    "from dmlbook.runtime.private_net import enter; enter(); "
+    "from dmlbook.runtime.rank_process import main; main()"
+)
+# What makes a spawned run's network namespace (the warm helper has a process for it).
+MAKE_NETWORK = "import sys; from dmlbook.runtime.private_net import make; make(int(sys.argv[1]))"
 STACK_DUMP_WAIT_S = 2.0  # one wait for all the dumps (a loaded machine is slow)
 # A rank that dies without a Python traceback (a signal, os._exit) is reported with the last lines
 # it wrote to stderr: gloo's reason for an abort is there and nowhere else. Its pipe ends when it
@@ -98,6 +107,7 @@ class RankGroup:
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
         self.serve = serve  # a session's ranks serve requests; a launch's call one function
         gloo_thread.policy_from_env()  # a bad DMLBOOK_GLOO_LOOP fails here, in the caller
+        self.private_net = private_net.wanted()  # so does a bad DMLBOOK_PRIVATE_NET
         self.helper = _start_helper()  # first: it may refuse (a bad setting) before we own anything
         kind = "ranks" if serve else "launch"
         try:
@@ -117,7 +127,8 @@ class RankGroup:
         self.stderr_tail: dict[int, list[str]] = {r: [] for r in range(world_size)}
 
     def start(self, sources: dict[str, list[str]] | None = None) -> None:
-        """Write what every rank reads first, then start them, rank 0 first."""
+        """Write what every rank reads first, then start them, rank 0 first, in a network
+        namespace of their own (:mod:`dmlbook.runtime.private_net`) unless the kernel refuses."""
         meta = dict(
             world_size=self.world_size,
             backend=self.backend,
@@ -130,12 +141,42 @@ class RankGroup:
             serve=self.serve,
         )
         (self.workdir / protocol.META).write_bytes(pickle.dumps(meta))
-        for rank in range(self.world_size):
-            self._start(rank)  # appends to self.procs first, so that close() kills each one
+        net = self.make_network() if self.private_net else private_net.Outcome()
+        if net.refused:
+            warnings.warn(private_net.exposed_warning(net.refused), RuntimeWarning, stacklevel=4)
+        try:
+            for rank in range(self.world_size):
+                self._start(rank, net.fds)  # appends to self.procs first: close() kills each one
+        finally:
+            net.close()  # the ranks hold the namespaces now: they vanish with the last one
 
-    def _start(self, rank: int) -> None:
+    def make_network(self) -> private_net.Outcome:
+        """A new user and network namespace for this group's ranks, made by a small process of
+        its own (:func:`dmlbook.runtime.private_net.make`), or why there is none."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            maker = None
+            try:
+                if self.helper:
+                    self.helper.make_network(theirs.fileno())
+                else:
+                    maker = subprocess.Popen(
+                        [sys.executable, "-c", MAKE_NETWORK, str(theirs.fileno())],
+                        env=dict(os.environ, PYTHONPATH=_package_path()),
+                        stdin=subprocess.DEVNULL,
+                        pass_fds=[theirs.fileno()],
+                    )
+            finally:
+                theirs.close()  # the maker holds the only other end: end of file if it dies
+            net = private_net.receive(mine, zygote.START_TIMEOUT_S)
+            if maker is not None:
+                maker.wait()  # it exits once it has answered
+            return net
+        finally:
+            mine.close()
+
+    def _start(self, rank: int, net_fds: list[int]) -> None:
         threads = threads_per_rank(self.world_size)
-        package_root = str(Path(__file__).resolve().parents[2])
         env = dict(
             os.environ,
             PYTHONUNBUFFERED="1",
@@ -146,17 +187,21 @@ class RankGroup:
             WORLD_SIZE=str(self.world_size),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(self.world_size),
-            PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=_package_path(),
             **rendezvous_env(),
         )
         env[INSIDE_RUN] = "1"
         for name in ("MASTER_ADDR", "MASTER_PORT"):  # nothing listens for this rendezvous
             env.pop(name, None)
+        env.pop(private_net.JOIN, None)
         pass_fds: list[int] = []
         if self.serve:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self.controls.append(mine)
             pass_fds.append(theirs.fileno())
+        if net_fds:  # the namespaces' descriptors come last (private_net.enter)
+            env[private_net.JOIN] = "1"
+            pass_fds += net_fds
         argv = ["-c", str(self.workdir), str(rank)]
         try:
             if self.helper:  # forked from the warm helper, which has imported torch already
@@ -275,6 +320,12 @@ def _start_helper() -> zygote.Zygote | None:
         return None
 
 
+def _package_path() -> str:
+    """``$PYTHONPATH`` for a process we start: this package's root first."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+
+
 def rendezvous_env() -> dict[str, str]:
     """What keeps local ranks' own sockets on the loopback interface.
 
@@ -287,9 +338,11 @@ def rendezvous_env() -> dict[str, str]:
     ``::ffff:127.0.0.1`` took 5.01 s in 6 of 300 calls here).
 
     Beyond the store, gloo's pairs and NCCL's bootstrap listen on the interface that these
-    variables name; on one host that is loopback, never an interface the network can reach. They
-    are set for every local rank, whatever the caller's environment says (that would be meant for
-    torchrun across hosts, which does not start ranks through here).
+    variables name; on one host that is loopback, never an interface the network can reach, and
+    the loopback of the ranks' own network namespace (:mod:`dmlbook.runtime.private_net`), which
+    no other process can reach, unless the kernel refused one. They are set for every local rank,
+    whatever the caller's environment says (that would be meant for torchrun across hosts, which
+    does not start ranks through here).
     """
     lo = _loopback_interface()
     return {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo} if lo else {}

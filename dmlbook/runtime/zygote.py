@@ -7,15 +7,20 @@ such process per caller (the name is Android's, whose app processes fork from on
 Every chapter's ranks start here.
 
 * It imports torch and its distributed packages, and never runs a torch op: forking after an op
-  has started OpenMP's thread pool can deadlock the child. Of dmlbook it imports only the
-  standard-library leaf :mod:`dmlbook.runtime.protocol`, so a rank runs the package's current
-  source, as a freshly spawned one would: the child imports :mod:`dmlbook.runtime.rank_process`
-  after the fork.
+  has started OpenMP's thread pool can deadlock the child. Of dmlbook it imports only
+  :mod:`dmlbook.runtime.protocol` and :mod:`dmlbook.runtime.private_net` (standard library
+  only), so a rank runs the package's current source, as a freshly spawned one would: the child
+  imports :mod:`dmlbook.runtime.rank_process` after the fork.
 * Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
   with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
   Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's. A
   persistent rank (:mod:`dmlbook.runtime.session`) also gets the rank's end of its control
   channel, whose number it finds in ``$DMLBOOK_PASSED_FDS`` (:data:`protocol.PASSED_FDS`).
+* The child, while it still has one thread, joins the run's own user and network namespace
+  (:mod:`dmlbook.runtime.private_net`), whose descriptors the caller passed along. A small
+  process that the helper forks first, before it imports torch, makes these namespaces, one
+  per run, by a fork of its own (about 2 ms in all, where a fork of the helper took 30 ms); the
+  helper itself stays in the caller's.
 * The helper reaps its children and reports each exit code, so :class:`ForkedRank` offers the
   part of ``subprocess.Popen`` that the launcher uses: ``pid``, ``poll``, ``wait``, the streams.
 * When the caller goes away, its end of the socket closes and the helper exits at once, even
@@ -46,6 +51,7 @@ import threading
 import time
 from pathlib import Path
 
+from dmlbook.runtime import private_net
 from dmlbook.runtime.protocol import PASSED_FDS
 
 # Imported before the helper says it is ready (every rank needs them) ...
@@ -59,7 +65,7 @@ WARM_LATER = (
 )
 START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
 _MAX_MESSAGE = 1 << 20
-_MAX_FDS = 3
+_MAX_FDS = 5  # stdout, stderr, a session's channel, the run's user and network namespaces
 IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
 IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 
@@ -67,8 +73,19 @@ IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 # --------------------------------------------------------------------------- the helper's side
 
 
-def serve(fd: int) -> None:
-    """The helper's main loop: fork a rank per request, report each exit, stop with the caller."""
+def serve(fd: int, makers_fd: int) -> None:
+    """The helper's main loop: fork a rank per request, report each exit, stop with the caller.
+    First, while it is small, it forks the process that makes each run's network namespace
+    (:func:`dmlbook.runtime.private_net.serve_makers`; the caller holds the other end of
+    ``makers_fd``)."""
+    helper = os.getpid()
+    if os.fork() == 0:
+        try:
+            os.close(fd)  # the caller's line to the helper: its end of file means the helper died
+            private_net.serve_makers(makers_fd, helper)
+        finally:
+            os._exit(1)  # never returns into the helper's loop
+    os.close(makers_fd)
     sock = socket.socket(fileno=fd)
     _exit_with_caller(sock)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the caller, not for us
@@ -92,7 +109,10 @@ def serve(fd: int) -> None:
                 pass
         live -= _reap_children(sock)
         if sock in readable:
-            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            except ConnectionResetError:  # the caller left with our last reports unread
+                message = b""
             if not message:  # the caller is gone
                 os._exit(0)
             request_id, argv, env = pickle.loads(message)
@@ -167,6 +187,7 @@ def _become_rank(argv: list[str], env: dict[str, str], fds: list[int], close) ->
         os.environ.clear()
         os.environ.update(env)
         os.environ[PASSED_FDS] = ",".join(map(str, fds[2:]))  # kept open, where they arrived
+        private_net.enter()  # join the run's network, while we have one thread
         sys.argv = list(argv)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         import torch.distributed as dist
@@ -214,6 +235,7 @@ class Zygote:
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        makers, makers_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(
             os.environ,
@@ -224,15 +246,17 @@ class Zygote:
                 sys.executable,
                 "-u",
                 "-c",
-                f"from dmlbook.runtime.zygote import serve; serve({theirs.fileno()})",
+                "from dmlbook.runtime.zygote import serve; "
+                f"serve({theirs.fileno()}, {makers_theirs.fileno()})",
             ],
-            pass_fds=[theirs.fileno()],
+            pass_fds=[theirs.fileno(), makers_theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C in the caller's terminal does not reach it
         )
         theirs.close()
-        self.sock = mine
+        makers_theirs.close()
+        self.sock, self.makers = mine, makers
         self.owner = os.getpid()
         self._lock = threading.Lock()  # one request at a time
         self._changed = threading.Condition()
@@ -285,6 +309,15 @@ class Zygote:
             os.close(out_w)  # the child holds the only write ends now: EOF when it exits
             os.close(err_w)
         return ForkedRank(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), self)
+
+    def make_network(self, report_fd: int) -> None:
+        """Ask for a new user and network namespace, sent back on the socket ``report_fd``
+        (:func:`dmlbook.runtime.private_net.make`); a helper that is gone never answers, and the
+        caller sees the end of that socket once it has closed its own copy."""
+        try:
+            socket.send_fds(self.makers, [b"make"], [report_fd])
+        except OSError:
+            pass
 
     def _listen(self) -> None:
         while True:
@@ -345,6 +378,7 @@ class Zygote:
             self._alive = False
             self._idle.notify_all()
         self.sock.close()
+        self.makers.close()
         self.process.kill()
         self.process.wait()
 
