@@ -9,15 +9,49 @@ own (the concurrency test, the wheel test), does two things for a notebook's cel
   JupyterLab and each figure is an output (the suite sets ``Agg`` for everything else);
 * when its last cell is done, the notebook with every cell's outputs goes into
   ``dmlbook.book.executed``'s cache, unless a cell failed.
+
+And it says when a session's run of a chapter has ended, passed or not (:func:`finished`): a
+file named for the chapter in a folder of the session's own (``$DMLBOOK_FINISHED``, made by the
+first process of the session and removed at its end), written when nbval's last cell of the
+notebook is done and when a ``runs_chapters`` test ends. The site test waits for those, not for
+a clock.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from dmlbook.book import executed
+
+FINISHED_ENV = "DMLBOOK_FINISHED"
+
+
+def pytest_configure(config):
+    """The session's folder of finished runs, made once (workers and child runs inherit it)."""
+    if FINISHED_ENV not in os.environ:
+        os.environ[FINISHED_ENV] = tempfile.mkdtemp(prefix="dmlbook-finished-")
+        config.nbrecord_owns_finished = True
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "nbrecord_owns_finished", False):
+        shutil.rmtree(os.environ.pop(FINISHED_ENV), ignore_errors=True)
+
+
+def finished(name: str) -> bool:
+    """Whether this session's run of the notebook ``name`` has ended (passed or failed)."""
+    return (Path(os.environ[FINISHED_ENV]) / name).exists()
+
+
+def _finish(name: str) -> None:
+    folder = os.environ.get(FINISHED_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, name).touch()
 
 
 def _is_cell(item) -> bool:
@@ -39,6 +73,9 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     if not _is_cell(item):
+        mark = item.get_closest_marker("runs_chapters")
+        for name in mark.args if mark is not None else ():
+            _finish(name)  # the test ran these chapters itself, and has ended
         return
     if item.test_outputs is not None:  # the cell ran (a skipped one keeps no outputs)
         item.cell.outputs = executed.clean(item.test_outputs)
@@ -50,6 +87,7 @@ def pytest_runtest_teardown(item, nextitem):
     whole = file.nbrecord_done == sum(c.cell_type == "code" for c in notebook.cells)
     if whole and not getattr(file, "timed_out", False):  # not a selection of cells, nor cut short
         executed.store(item.path, notebook)
+    _finish(item.path.name)
 
 
 def kept_runs(items) -> set[str]:

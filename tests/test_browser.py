@@ -218,7 +218,8 @@ def _follow_a_glossary_link(page) -> str:
     that term's heading (the same link lands there on the site, tests/test_site.py)."""
     # back to the top: JupyterLab renders only the cells near the view, and the run ended below
     page.evaluate("() => window.jupyterapp.shell.currentWidget.content.scrollToItem(0, 'start')")
-    link = page.locator(".jp-RenderedMarkdown a[href*='glossary.ipynb#']").first
+    # JupyterLab renders glossary.ipynb#term as .../files/glossary.ipynb?_xsrf=...#term
+    link = page.locator(".jp-RenderedMarkdown a[href*='glossary.ipynb'][href*='#']").first
     link.wait_for(state="attached", timeout=30_000)
     link.scroll_into_view_if_needed()
     term = link.get_attribute("href").split("#", 1)[1]
