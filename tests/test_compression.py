@@ -18,7 +18,21 @@ from dmlbook.models import mlp
 
 N = 1003  # bucket size: not a multiple of 8, so the last byte of packed signs is padded
 STEPS = 3  # hook calls on the same bucket, so error feedback carries residuals between them
-LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
+
+
+def loopback_sent() -> int | None:
+    """Bytes sent so far on the loopback of this process's network namespace (the ranks have one
+    of their own): ``/proc/net/dev`` is the reader's namespace's, where ``/sys/class/net`` is
+    the one sysfs was mounted in. None where there is no such file."""
+    try:
+        lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, counters = line.split(":", 1)
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # receive: 8 counters, then transmit bytes
+    return None
 
 
 class FakeBucket:
@@ -153,12 +167,12 @@ def _with_ddp_and_loopback() -> dict:
     }
     # The per-socket counters against the loopback interface's: other programs can only add to lo.
     big = torch.ones(1_000_000)
-    before = int(LOOPBACK.read_text()) if LOOPBACK.exists() else None
+    before = loopback_sent()
     dist.barrier()  # no rank sends a byte of the all-reduce before rank 0 has read lo
     with c.WireMeter() as wire:
         dist.all_reduce(big)
         dist.barrier()
-    out["lo"] = None if before is None else int(LOOPBACK.read_text()) - before
+    out["lo"] = None if before is None else loopback_sent() - before
     out["tcp"], out["retransmitted"] = wire.bytes, wire.retransmitted
     return out
 

@@ -140,8 +140,7 @@ def execute(path: Path, timeout: int = 900) -> nbformat.NotebookNode:
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(Path(path).parent)}},
-        store_widget_state=False,
-    )
+    )  # (the widgets' state it keeps is dropped by store: a page would fetch a widget manager)
     client.execute(env=env)
     for cell in notebook.cells:
         if cell.cell_type == "code":

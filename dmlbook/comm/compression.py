@@ -273,7 +273,7 @@ class TcpCount:
     retransmissions included).
 
     Each segment adds 52 bytes of IPv4 and TCP headers (with timestamps): on loopback the
-    interface counter ``/sys/class/net/lo/statistics/tx_bytes`` grows by
+    interface counter (``/proc/net/dev``'s ``lo``, of the ranks' own network namespace) grows by
     ``bytes + retransmitted + 52 * segments``.
     """
 
