@@ -150,40 +150,19 @@ GUIDES = ["instructors", "launching", "ranks-magic", "gpus", "torchrun", "elasti
           "data", "benchmarks", "architecture", "testing"]  # fmt: skip
 
 
+def _toctree(caption: str, pages: list[str]) -> list[str]:
+    """A sidebar section: its pages by title only (the sidebar would list every heading)."""
+    return ["", "```{toctree}", ":hidden:", ":titlesonly:", ":maxdepth: 1",
+            f":caption: {caption}", "", *pages, "```", ""]  # fmt: skip
+
+
 def _navigation(stage: Path, chapters: list[str]) -> None:
     found = {p.stem for p in (stage / "guides").glob("*.md")}
     guides = [g for g in GUIDES if g in found] + sorted(found - set(GUIDES))
     toc = [
-        "",
-        "```{toctree}",
-        ":hidden:",
-        ":titlesonly:",
-        ":maxdepth: 1",
-        ":caption: Chapters",
-        "",
-        *(f"chapters/{c}" for c in chapters),
-        "```",
-        "",
-        "```{toctree}",
-        ":hidden:",
-        ":titlesonly:",
-        ":maxdepth: 1",
-        ":caption: Guides",
-        "",
-        *(f"guides/{g}" for g in guides),
-        "```",
-        "",
-        "```{toctree}",
-        ":hidden:",
-        ":titlesonly:",
-        ":maxdepth: 1",
-        ":caption: Reference",
-        "",
-        "chapters/glossary",
-        "api/index",
-        "performance-log",
-        "```",
-        "",
+        *_toctree("Chapters", [f"chapters/{c}" for c in chapters]),
+        *_toctree("Guides", [f"guides/{g}" for g in guides]),
+        *_toctree("Reference", ["chapters/glossary", "api/index", "performance-log"]),
     ]
     index = stage / "index.md"
     index.write_text(index.read_text() + "\n".join(toc))

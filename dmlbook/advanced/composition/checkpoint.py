@@ -41,8 +41,6 @@ has written its ``.metadata``, so the final path never holds a half-written chec
 from __future__ import annotations
 
 import os
-import shutil
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +60,8 @@ from dmlbook.advanced.expert_parallel import ExpertParallelMoE
 from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
 from dmlbook.advanced.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dmlbook.advanced.tensor_parallel.vocab_parallel import VocabParallelEmbedding
-from dmlbook.comm.groups import barrier, group_rank_size
+from dmlbook.comm.groups import group_rank_size
+from dmlbook.data_parallel.checkpoint.sharded import quiet_dcp, save_folder_atomically
 from dmlbook.model_parallel.pipeline import PipelineStage
 from dmlbook.models import Batch
 
@@ -190,29 +189,10 @@ def checkpoint_state(composed: Composed) -> dict[str, torch.Tensor]:
 def save_composed(composed: Composed, directory: str | os.PathLike) -> Path:
     """Collective (every rank of the world): save ``composed``'s model and ZeRO-1 optimizer
     state to the folder ``directory`` with DCP, readable at any layout (see the module). The
-    ranks write a temporary folder beside it, which rank 0 renames into place at the end."""
-    import torch.distributed.checkpoint as dcp  # here, not at the top: ~1 s to import
-
-    directory = Path(directory)
-    partial = directory.with_name(f".{directory.name}.partial")
-    first = group_rank_size()[0] == 0
-    if first:
-        shutil.rmtree(partial, ignore_errors=True)  # what a save killed earlier left
-    barrier()
-    with warnings.catch_warnings():  # DCP warns in one process (no group): that is meant here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(checkpoint_state(composed), storage_writer=dcp.FileSystemWriter(partial))
-    if first:  # DCP has written .metadata: every rank's files are complete
-        old = directory.with_name(f".{directory.name}.old")
-        if directory.exists():  # a folder cannot be renamed over a non-empty one
-            directory.rename(old)
-        partial.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-        descriptor = os.open(directory.parent, os.O_RDONLY)
-        os.fsync(descriptor)  # the rename itself on disk
-        os.close(descriptor)
-    barrier()
-    return directory
+    ranks write a temporary folder beside it, which rank 0 renames into place at the end
+    (:func:`~dmlbook.data_parallel.checkpoint.sharded.save_folder_atomically`, as chapter 3's
+    checkpoints do)."""
+    return save_folder_atomically(directory, checkpoint_state(composed))
 
 
 def load_composed(composed: Composed, directory: str | os.PathLike) -> None:
@@ -245,8 +225,7 @@ def load_composed(composed: Composed, directory: str | os.PathLike) -> None:
                     state[key] = piece.checkpointed(values[name], mesh)
                 else:  # whole: a scalar step
                     values[name] = state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():  # DCP warns in one process (no group): that is meant here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with quiet_dcp():  # DCP warns in one process (no group): that is meant here
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
 
 

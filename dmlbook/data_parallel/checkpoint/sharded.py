@@ -21,12 +21,41 @@ from dmlbook.data_parallel.checkpoint.files import (
 
 
 @contextlib.contextmanager
-def _quiet_dcp():
+def quiet_dcp():
     """DCP warns on every call outside a process group (even with ``no_dist=True``); here that
     single-process use is deliberate."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def save_folder_atomically(directory: str | os.PathLike, state: dict, group=None) -> Path:
+    """Collective: ``dcp.save`` of ``state`` to the folder ``directory``, all or nothing.
+
+    DCP writes many files, so no single rename replaces them all: the ranks write a temporary
+    folder beside it, and rank 0 renames the folder into place once DCP has written its
+    ``.metadata`` (every rank's files are then complete). A save killed earlier left its
+    temporary folder; rank 0 removes it first. Chapter 3's and chapter 13's checkpoints both
+    save this way."""
+    import torch.distributed.checkpoint as dcp  # here, not at the top: costs ~1 s per rank
+
+    directory = Path(directory)
+    partial = directory.with_name(f".{directory.name}.partial")
+    first = group_rank_size(group)[0] == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)  # what a save killed earlier left
+    barrier(group)
+    with quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
+    if first:
+        old = directory.with_name(f".{directory.name}.old")
+        if directory.exists():  # a folder cannot be renamed over a non-empty one
+            directory.rename(old)
+        partial.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_directory(directory.parent)  # the rename itself on disk
+    barrier(group)
+    return directory
 
 
 def save_sharded(
@@ -36,35 +65,17 @@ def save_sharded(
     optimizer: torch.optim.Optimizer | None = None,
     group=None,
 ) -> Path:
-    """Collective: every rank writes its own shard with ``torch.distributed.checkpoint`` (ch. 3).
-
-    DCP writes many files, so no single rename replaces them all: the ranks write a temporary
-    folder, and rank 0 renames the folder into place once DCP's ``.metadata`` is written.
+    """Collective: every rank writes its own shard with ``torch.distributed.checkpoint`` (ch. 3),
+    all or nothing (:func:`save_folder_atomically`).
     Beware: to save an optimizer that has not stepped yet, ``get_state_dict`` creates its state
     by stepping it with zero gradients at lr 0, which for Adam counts as a step.
     """
-    import torch.distributed.checkpoint as dcp  # here, not at the top: costs ~1 s per rank
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    directory = Path(directory)
-    partial = directory.with_name(f".{directory.name}.partial")
-    if group_rank_size(group)[0] == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # what a save killed earlier left
-    barrier(group)
     # Keyed by parameter name; a sharded model's tensors are DTensors that know their part.
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else [optimizer])
     state = {"model": model_state, "optimizer": optim_state}
-    with _quiet_dcp():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
-    if group_rank_size(group)[0] == 0:
-        old = directory.with_name(f".{directory.name}.old")
-        if directory.exists():  # a folder cannot be renamed over a non-empty one
-            directory.rename(old)
-        partial.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_directory(directory.parent)
-    barrier(group)
-    return directory
+    return save_folder_atomically(directory, state, group)
 
 
 def load_sharded(
@@ -92,7 +103,7 @@ def load_sharded(
     optimizers = [] if optimizer is None else [optimizer]
     model_state, optim_state = get_state_dict(model, optimizers)  # this run's layout
     state = {"model": model_state} | ({} if optimizer is None else {"optimizer": optim_state})
-    with _quiet_dcp():
+    with quiet_dcp():
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group)
     set_state_dict(
         model,
