@@ -189,9 +189,10 @@ def _kernel_refuses() -> str:
 def wait_for_flag(probe_dir: str) -> int:
     """A `run` rank that stays live until the test is done: its pid and private folder first."""
     rank = dist.get_rank()
-    Path(probe_dir, f"rank{rank}.json").write_text(
-        json.dumps(dict(pid=os.getpid(), folder=sys.argv[1]))  # the rank's argv: folder, rank
-    )
+    # written whole, then renamed: the test polls for the name and must never read half a file
+    partial = Path(probe_dir, f".rank{rank}.partial")
+    partial.write_text(json.dumps(dict(pid=os.getpid(), folder=sys.argv[1])))  # argv: folder, rank
+    os.replace(partial, Path(probe_dir, f"rank{rank}.json"))
     deadline = time.monotonic() + 90
     while not Path(probe_dir, "done").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
