@@ -1,5 +1,5 @@
 """DMLBOOK_GLOO_LOOP: gloo's transport threads under the policy asked for ("low" when unset), in
-every rank and in the groups made later, and the collectives unchanged (dmlbook.comm.gloo_thread;
+every rank and in the groups made later, and the collectives unchanged (dmlbook.runtime.gloo_thread;
 chapter 4)."""
 
 import os
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm import collectives, gloo_thread
+from dmlbook.comm import collectives
+from dmlbook.runtime import gloo_thread
 from dmlbook.launch import run
 
 pytestmark = pytest.mark.skipif(

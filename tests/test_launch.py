@@ -714,7 +714,7 @@ def test_a_killed_callers_folder_is_removed_by_its_dead_owner_never_a_live_one(
     """Ranks remove their launch folder when their caller dies; if they die with it (the whole
     session killed), the next launch in any process of this user removes what is left, knowing
     it by its dead owner (pid and start time), never by its name."""
-    from dmlbook.owners import Owner
+    from dmlbook.runtime.owners import Owner
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     dead = Owner(gone.pid, Owner.of(gone.pid).start, Owner.me().host)

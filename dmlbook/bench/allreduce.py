@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.bench.common import write_json
-from dmlbook.comm import collectives, gloo_thread
+from dmlbook.comm import collectives
+from dmlbook.runtime import gloo_thread
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.launch import device, run
 

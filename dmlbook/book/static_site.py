@@ -43,7 +43,7 @@ API_SECTIONS = {
         "dmlbook.viz",
     ],
     "Exercises, classroom, benchmarks": ["dmlbook.exercises", "dmlbook.classroom", "dmlbook.bench"],
-    "Machinery": ["dmlbook.runtime", "dmlbook.netlab", "dmlbook.book", "dmlbook.owners"],
+    "Machinery": ["dmlbook.runtime", "dmlbook.netlab", "dmlbook.book", "dmlbook.runtime.owners"],
 }
 
 

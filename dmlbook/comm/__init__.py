@@ -13,6 +13,7 @@
 * ``alltoall``: all-to-all from point-to-point messages, and its autograd form (chapter 13)
 * ``shm``: all-reduce, all-gather and reduce-scatter through shared memory, for ranks on one host
   (chapter 4)
-* ``gloo_thread``: gloo's transport thread and the scheduler: the policy (nice 19 by default)
-  that keeps its spinning from stalling small messages and wasting cores (chapter 4)
+
+Gloo's transport thread and the scheduler (chapter 4's finding) are the runtime's:
+:mod:`dmlbook.runtime.gloo_thread`.
 """

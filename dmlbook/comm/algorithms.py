@@ -394,7 +394,7 @@ def _naive_all_reduce(comm: Comm, flat: torch.Tensor, op) -> None:
 # 1.16x), where its log2(p) whole-tensor exchanges send more bytes than the ring's 2(p-1)/p. At
 # 2 ranks both send the same bytes, and recursive doubling takes one step instead of two, but each
 # rank adds the whole tensor where the ring's adds half of it (and overlaps that with its
-# receives). With gloo's threads at nice 19 (comm/gloo_thread.py) and the ring holding its
+# receives). With gloo's threads at nice 19 (runtime/gloo_thread.py) and the ring holding its
 # receives to the end (p2p.Comm), two `bench allreduce` runs (medians, ms) put them level at
 # 2 MiB (ring 1.52-1.93, recursive doubling 1.58-1.72), and the ring ahead from 4 MiB (2.09-2.51
 # against 2.93-3.25; 8 MiB 5.2-6.4 against 6.7; 32 MiB 19.0-19.2 against 20.3-20.9), as in three

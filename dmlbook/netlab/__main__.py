@@ -14,7 +14,7 @@ import sys
 
 import dmlbook.netlab
 from dmlbook.netlab.lab import Lab, NetlabError, down, labs, status
-from dmlbook.owners import Owner
+from dmlbook.runtime.owners import Owner
 
 
 def _one_lab(prefix: str | None) -> Lab:

@@ -4,7 +4,7 @@ Every lab has a name of its own, ``<prefix>-<8 hex digits>`` (chapter 13's ``ch1
 so two runs of a chapter at the same moment (a learner's and nbgrader's autograde, on one server)
 make two labs. Before it creates a namespace, :meth:`Lab.up <dmlbook.netlab.lab.Lab.up>` writes
 the lab's record, ``<folder>/<name>.json``: its prefix, hosts, namespaces and owner (the process,
-as :class:`dmlbook.owners.Owner`: pid, start time, host). :func:`folder` is
+as :class:`dmlbook.runtime.owners.Owner`: pid, start time, host). :func:`folder` is
 ``/run/dmlbook-netlab``, root's like the lab itself and emptied at boot like ``/run/netns``
 (``$DMLBOOK_NETLAB_RECORDS`` moves it). A lab whose owner is dead is a crash's leftover, which
 the next lab removes; a live owner's lab is never touched, whatever its name.
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmlbook.owners import Owner
+from dmlbook.runtime.owners import Owner
 
 __all__ = ["Record", "claim", "folder", "records", "release"]
 

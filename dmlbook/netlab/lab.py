@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from dmlbook.netlab import claims
-from dmlbook.owners import Owner
+from dmlbook.runtime.owners import Owner
 
 __all__ = [
     "Lab",

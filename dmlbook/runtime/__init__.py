@@ -9,6 +9,10 @@ module imports, even inside a function, one that imports it back):
   folder's files, a session's ``Channel`` of length-prefixed pickles); a leaf, standard library
   only, so that the helper may import it;
 * ``shipping``: functions by value, with their file names and the cells' source lines;
+* ``owners``: who made a file, a folder or a lab (pid, start time, host), so that what a crashed
+  run left is recognised by its dead owner, never by its name; a leaf;
+* ``gloo_thread``: gloo's transport threads and the scheduler (chapter 4): the policy every rank
+  puts them under;
 * ``failures``: a rank's failure report, and the ``RankError`` that names the rank that failed
   first;
 * ``private_net``: each run's ranks in a user and network namespace of their own, that no other

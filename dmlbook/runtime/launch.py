@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm import gloo_thread
+from dmlbook.runtime import gloo_thread
 from dmlbook.runtime import errors, protocol, shipping, zygote
 from dmlbook.runtime.errors import (
     BACKENDS,

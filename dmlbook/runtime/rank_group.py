@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from dmlbook.comm import gloo_thread
-from dmlbook.owners import Owner
+from dmlbook.runtime import gloo_thread
+from dmlbook.runtime.owners import Owner
 from dmlbook.runtime import private_net, protocol, zygote
 from dmlbook.runtime.errors import INSIDE_RUN, RankError
 from dmlbook.runtime.failures import classify_failure, readable_dump

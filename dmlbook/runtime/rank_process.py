@@ -26,7 +26,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm import gloo_thread
+from dmlbook.runtime import gloo_thread
 from dmlbook.runtime import protocol, rank_server, shipping
 from dmlbook.runtime.failures import failure_report
 

@@ -53,7 +53,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from dmlbook.comm import gloo_thread
+from dmlbook.runtime import gloo_thread
 
 __all__ = ["DEGREE_AXES", "GRID_AXES", "Axis", "Layout", "ProcessGroups"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.comm.groups import barrier, device, group_rank_size
-from dmlbook.owners import Owner
+from dmlbook.runtime.owners import Owner
 
 FORMAT = "dmlbook.data_parallel.checkpoint/1"
 

@@ -73,7 +73,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmlbook.comm import gloo_thread
+from dmlbook.runtime import gloo_thread
 from dmlbook.data_parallel.ps.consistency import (
     Asynchronous,
     BoundedStaleness,
