@@ -1,22 +1,20 @@
 """dmlbook: from-scratch, tested implementations for *Distributed Machine Learning with Python*.
 
 The package follows the book's sections; every module's docstring names the chapter that
-teaches it.
+teaches it. Its top level is three groups; no teaching module imports machinery
+(``tests/test_layers.py``).
 
-* the runtime: ``launch`` runs a rank function on N processes, or in place under torchrun
-  (every chapter), and is the public face of ``runtime`` (the warm helper, rank processes,
-  persistent ranks and the ``%%ranks`` magic, over two leaves: ``runtime.errors`` and the wire
-  protocol ``runtime.protocol``; no import circle); ``netlab`` makes several hosts on one
-  machine (chapters 3, 4, 11, 13); ``owners`` tells a crashed run's leftovers by their dead
-  owner (pid, start time, host)
+Teaching (the book's algorithms, read beside the chapters):
+
 * ``comm``: what every parallelism is built on: ``groups`` (a rank's place in a group and its
   device, the block of a size it owns), ``trace`` (recording traffic), ``collectives`` (every
   collective from send/recv, chapters 2 and 4; its schedules in ``algorithms``, its plumbing in
-  ``p2p``), ``costmodel`` (alpha-beta), ``compression`` and ``shm`` (shared memory, chapter 4),
-  ``alltoall`` (chapter 13), ``gloo_thread`` (gloo's transport thread and the scheduler)
+  ``p2p``), ``costmodel`` (alpha-beta), ``compression`` (DDP hooks) and ``shm`` (shared memory,
+  chapter 4), ``alltoall`` (chapter 13)
 * ``data_parallel`` (section 1, chapters 1-4): ``averaging``, ``loop``, ``stages``, ``job``,
   ``ddp`` (DDP from scratch), ``ps`` (a sharded parameter server), ``checkpoint``,
-  ``input_pipeline``, ``serving`` (data-parallel inference), ``tuning``
+  ``input_pipeline``, ``serving`` (data-parallel inference), ``tuning``,
+  ``compression_experiment`` (chapter 4's hooks trained and measured)
 * ``model_parallel`` (section 2, chapters 5-8): ``memory``, ``recompute``, ``layer_split``,
   ``schedules``, ``pipeline``, ``stage_balancing``, ``pipeline_workflows``, ``pipeline_serving``,
   ``efficiency`` (a model made cheaper to train and serve: freezing, offload, low rank,
@@ -27,16 +25,23 @@ teaches it.
   ``zero.sharded_optimizer``), ``composition`` (the rank grid ``Layout``, plans, ``compose``,
   chapter 9's DP x TP training, chapter 13's training and planner), ``federated``, ``elastic``,
   ``speedups``
-* shared pieces: ``datasets``, ``models``, ``optim``, ``viz`` (the plots, a module per topic),
-  ``notebook`` (helpers chapters repeat), ``cpu_wait`` (did each rank have a core while it was
-  timed? chapters 7 and 12), ``exercises`` (checkers)
-* what serves the book: ``classroom`` (``python -m dmlbook.classroom``: a learner's copy of
-  the book, exercise copies, grading), ``bench`` (``python -m dmlbook.bench``: each
-  implementation against torch's own; ``make gpu-check``), ``book`` (the chapters, data and
-  scripts in the installed package)
-* ranks that live across notebook cells: ``dmlbook.launch.Ranks`` (``runtime.session``) and the
-  IPython extension ``%load_ext dmlbook`` (``runtime.magic``: ``%ranks`` and ``%%ranks``,
-  chapters 2 and 9)
+
+Shared pieces (what chapters and teaching code both read): ``datasets``, ``models``, ``optim``,
+``viz`` (the plots, a module per topic), ``notebook`` (helpers chapters repeat), ``exercises``
+(checkers), ``cpu_wait`` (did each rank have a core while it was timed? chapters 4, 7 and 12)
+
+Machinery (what runs, serves and measures the book):
+
+* ``launch`` runs a rank function on N processes, or in place under torchrun (every chapter):
+  the public face of ``runtime`` (the warm helper, rank processes, persistent ranks
+  ``launch.Ranks`` and the ``%load_ext dmlbook`` magics ``%ranks``/``%%ranks``, chapters 2 and 9;
+  ``gloo_thread``, gloo's transport threads and the scheduler, chapter 4; ``owners``, who made a
+  file, told by pid, start time and host; no import circle)
+* ``netlab`` makes several hosts on one machine (chapters 3, 4, 11, 13)
+* ``book`` (the chapters, data and scripts in the installed package, and the site),
+  ``classroom`` (``python -m dmlbook.classroom``: a learner's copy of the book, exercise copies,
+  grading), ``bench`` (``python -m dmlbook.bench``: each implementation against torch's own;
+  ``make gpu-check``)
 """
 
 __version__ = "0.1.0"

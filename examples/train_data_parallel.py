@@ -51,7 +51,7 @@ def train() -> dict:
     )
     return dict(
         where=where,
-        accuracy=dp.accuracy(model, x_test.to(device()), y_test.to(device())),
+        accuracy=models.accuracy(model, x_test.to(device()), y_test.to(device())),
         state={k: v.cpu() for k, v in model.state_dict().items()},
     )
 

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmlbook.comm import compression as c
+from dmlbook.data_parallel import compression_experiment as experiment
 from dmlbook.datasets import load_digits
 from dmlbook.launch import run
 from dmlbook.models import mlp
@@ -197,7 +198,7 @@ def test_residual_starts_at_zero_and_follows_the_bucket_shape():
 
 def test_train_schemes_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown schemes"):
-        c.train_schemes(["fp32", "int4"])  # before it touches a process group
+        experiment.train_schemes(["fp32", "int4"])  # before it touches a process group
 
 
 def _assert_hook_checks(r: dict, world: int) -> None:
@@ -266,7 +267,7 @@ def test_hooks_on_gpu():
 
 @pytest.fixture(scope="module")
 def table():
-    return c.compare_schemes(run(c.train_schemes, 2, backend="gloo", timeout=120))
+    return experiment.compare_schemes(run(experiment.train_schemes, 2, backend="gloo", timeout=120))
 
 
 @pytest.mark.timeout(90)
@@ -278,7 +279,7 @@ def test_accuracy_of_each_scheme_on_digits(table):
     assert lost["int8"] <= 0.01
     assert lost["1-bit+EF"] <= 0.02
     assert lost["top-k+EF"] <= 0.02  # 2% of the entries a step, with error feedback
-    config = c.DigitsRun()
+    config = experiment.DigitsRun()
     steps = config.epochs * (len(load_digits("train")[1]) // config.global_batch)
     for name, row in table.items():
         assert row["ranks_agree"], name  # every rank decodes the same bytes: models stay equal

@@ -20,7 +20,7 @@ from dmlbook import data_parallel as dp
 from dmlbook.comm import compression
 from dmlbook.datasets import make_classification
 from dmlbook.launch import run
-from dmlbook.models import char_gpt, cnn, mlp
+from dmlbook.models import accuracy, char_gpt, cnn, mlp
 
 WORLD_SIZES = [1, 2, 3, 4]
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -343,7 +343,7 @@ def single_process():
     batches = [make_classification(3 * GLOBAL_BATCH, dim=12, classes=3, seed=s) for s in (1, 2)]
     _train(model, loss_fn, batches)  # one batch of 36 = the union of the micro-batches
     ref["accumulate"] = _params(model)
-    ref["accuracy"] = dp.accuracy(build(), *_test_set())
+    ref["accuracy"] = accuracy(build(), *_test_set())
     model = build()
     x, y = make_classification(10 * GLOBAL_BATCH, dim=12, classes=3, seed=3)
     history = dp.train(model, x, y, dp.TrainConfig(**_train_settings()), test=_test_set())

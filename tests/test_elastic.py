@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from dmlbook import models, netlab
 from dmlbook.advanced import elastic as el
-from dmlbook.data_parallel import accuracy, ps
+from dmlbook.data_parallel import ps
 from dmlbook.datasets import load_digits
 from dmlbook.launch import free_port, run
+from dmlbook.models import accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -103,6 +103,30 @@ def test_ranks_that_return_at_once_never_break_a_slower_peers_start():
         assert run(rank_only, 2, timeout=30) == [0, 1]
 
 
+def returns_a_large_tensor(numel):
+    return torch.full((numel,), float(dist.get_rank()), dtype=torch.float64)
+
+
+def test_results_come_back_on_the_ranks_channels_not_as_files(monkeypatch):
+    """Each rank answers on its channel (the socket pair a Ranks session uses), all ranks at
+    once, with results far larger than a socket's buffer; the private folder holds only what the
+    ranks read (the meta data, the payload, the store) and the stack files."""
+    left_in_folder = []
+    close = rank_group.RankGroup.close
+
+    def close_and_look(group):
+        left_in_folder.append(sorted(p.name for p in group.workdir.iterdir()))
+        close(group)
+
+    monkeypatch.setattr(rank_group.RankGroup, "close", close_and_look)
+    numel = 4 << 20  # 32 MiB a rank
+    results = run(returns_a_large_tensor, 2, numel)
+    for rank, result in enumerate(results):
+        assert torch.equal(result, torch.full((numel,), float(rank), dtype=torch.float64))
+    (names,) = left_in_folder
+    assert set(names) <= {"meta.pkl", "payload.pkl", "store", "stack0.txt", "stack1.txt"}, names
+
+
 def test_function_defined_in_main_script(tmp_path):
     # No `if __name__ == "__main__"` guard: the ranks never re-import the caller's script.
     script = tmp_path / "script.py"

@@ -15,7 +15,7 @@ from torch import nn
 
 from dmlbook.launch import RankError, run
 from dmlbook.model_parallel import pipeline as pp
-from dmlbook.models import char_gpt, mlp
+from dmlbook.models import char_gpt, mlp, next_token_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,7 +87,7 @@ def _train_cases(cases, torch_cases):
             result = stage.train_step(
                 x if stage.is_first else None,
                 y if stage.is_last else None,
-                pp.next_token_loss,
+                next_token_loss,
                 microbatches,
                 schedule,
                 measure_memory=True,
@@ -113,7 +113,7 @@ def _torch_pipelining(schedule: str, microbatches: int, x, y):
     module = _stage_modules(_model(), stages)[rank]
     stage = PipelineStage(module, rank, stages, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = kind(stage, microbatches, loss_fn=pp.next_token_loss)  # scale_grads: grads of the mean
+    runner = kind(stage, microbatches, loss_fn=next_token_loss)  # scale_grads: grads of the mean
     losses: list[torch.Tensor] = []
     if rank == 0:
         runner.step(x)
@@ -315,7 +315,7 @@ def _shape_change_and_infer():
     losses = []
     for batch, seq in ((12, 8), (12, 8), (6, 5)):
         x, y = _batch(batch, seq, seed=batch + seq)
-        result = stage.train_step(x, y, pp.next_token_loss, microbatches=3, schedule="1f1b")
+        result = stage.train_step(x, y, next_token_loss, microbatches=3, schedule="1f1b")
         losses.append(result.loss)
     x, _ = _batch(6, 5, seed=11)
     outputs = stage.infer(x, microbatches=3).outputs  # micro-batches of (2, 5): no new handshake
@@ -341,24 +341,22 @@ def test_microbatches_that_do_not_divide_the_batch_raise_valueerror():
     stage = pp.PipelineStage(nn.Sequential(*pp.layers_of(_model())), 0, 1, device="cpu")
     x, y = _batch()
     with pytest.raises(ValueError, match="batch size 12, which 5 micro-batches do not divide"):
-        stage.train_step(x, y, pp.next_token_loss, microbatches=5)
+        stage.train_step(x, y, next_token_loss, microbatches=5)
     with pytest.raises(ValueError, match="vanilla .* one micro-batch"):
-        stage.train_step(x, y, pp.next_token_loss, microbatches=2, schedule="vanilla")
+        stage.train_step(x, y, next_token_loss, microbatches=2, schedule="vanilla")
     with pytest.raises(ValueError, match="unknown schedule"):
-        stage.train_step(x, y, pp.next_token_loss, microbatches=2, schedule="zigzag")
+        stage.train_step(x, y, next_token_loss, microbatches=2, schedule="zigzag")
     with pytest.raises(ValueError, match="targets and loss_fn"):
-        stage.train_step(x, None, pp.next_token_loss)
-    result = stage.train_step(
-        x, y, pp.next_token_loss, microbatches=4
-    )  # P = 1 needs no process group
+        stage.train_step(x, None, next_token_loss)
+    result = stage.train_step(x, y, next_token_loss, microbatches=4)  # P = 1 needs no process group
     assert result.loss == pytest.approx(_model()(x, y)[1].item())
     order = [("F", 1), ("B", 1), ("F", 0), ("B", 0)]  # a schedule given as a list of actions
     custom = [pp.Action(0, step, op, mb) for step, (op, mb) in enumerate(order)]
-    result = stage.train_step(x, y, pp.next_token_loss, microbatches=2, schedule=custom)
+    result = stage.train_step(x, y, next_token_loss, microbatches=2, schedule=custom)
     assert [(r.op, r.microbatch) for r in result.timeline] == order
     assert result.loss == pytest.approx(_model()(x, y)[1].item())
     with pytest.raises(ValueError, match="must run B once"):
-        stage.train_step(x, y, pp.next_token_loss, microbatches=2, schedule=custom[:3])
+        stage.train_step(x, y, next_token_loss, microbatches=2, schedule=custom[:3])
 
 
 def _build_stage(stages: int, microbatches: int = 1):
@@ -366,7 +364,7 @@ def _build_stage(stages: int, microbatches: int = 1):
     module = _stage_modules(_model(), stages)[min(rank, stages - 1)]
     stage = pp.PipelineStage(module, rank, stages)
     x, y = _batch()
-    return stage.train_step(x, y, pp.next_token_loss, microbatches)
+    return stage.train_step(x, y, next_token_loss, microbatches)
 
 
 def test_distributed_bad_input_surfaces_as_rank_error_without_hanging():
@@ -390,7 +388,7 @@ def _one_stage_raises():
     module = _stage_modules(_model(), 2)[0] if rank == 0 else _Explodes()
     stage = pp.PipelineStage(module, rank, 2)
     x, y = _batch()
-    return stage.train_step(x, y, pp.next_token_loss, 3, "1f1b")
+    return stage.train_step(x, y, next_token_loss, 3, "1f1b")
 
 
 def test_a_rank_that_raises_mid_step_is_a_rank_error():
@@ -519,7 +517,7 @@ def _train_on_gpu(stages: int):
     module = _stage_modules(_model(), stages)[rank]
     stage = pp.PipelineStage(module, rank, stages)  # device: cuda:<local rank> under NCCL
     assert stage.device.type == "cuda"
-    result = stage.train_step(x, y, pp.next_token_loss, 4, "1f1b")
+    result = stage.train_step(x, y, next_token_loss, 4, "1f1b")
     return result.loss, {n: g.cpu() for n, g in _named(module, "grad").items()}
 
 
@@ -532,7 +530,7 @@ def test_pipeline_on_gpus_equals_single_process():
     else:  # one GPU: a one-stage pipeline on cuda:0, no process group needed
         module = _stage_modules(_model(), 1)[0]
         stage = pp.PipelineStage(module, 0, 1, device="cuda:0")
-        result = stage.train_step(*_batch(), pp.next_token_loss, 4, "1f1b")
+        result = stage.train_step(*_batch(), next_token_loss, 4, "1f1b")
         results = [(result.loss, {n: g.cpu() for n, g in _named(module, "grad").items()})]
     assert results[-1][0] == pytest.approx(loss, abs=1e-9)
     for rank, (_, got) in enumerate(results):

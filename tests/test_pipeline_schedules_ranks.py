@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dmlbook.launch import RankError, run
 from dmlbook.model_parallel import pipeline as pp
-from dmlbook.models import char_gpt
+from dmlbook.models import char_gpt, next_token_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +90,7 @@ def _train(cases, torch_cases):
             result = stage.train_step(
                 x if stage.is_first else None,
                 y if stage.is_last else None,
-                pp.next_token_loss,
+                next_token_loss,
                 microbatches,
                 schedule,
             )
@@ -121,7 +121,7 @@ def _torch_pipelining(schedule: str, chunks: int, microbatches: int, x, y):
         for c, m in enumerate(modules)
     ]
     kind = {"interleaved": ScheduleInterleaved1F1B, "zb-h1": ScheduleInterleavedZeroBubble}
-    runner = kind[schedule](theirs, microbatches, loss_fn=pp.next_token_loss)
+    runner = kind[schedule](theirs, microbatches, loss_fn=next_token_loss)
     losses: list[torch.Tensor] = []
     if rank == 0:
         runner.step(x)
@@ -194,7 +194,7 @@ def _bad(stages: int, chunks, microbatches: int, schedule: str):
     modules = _chunks(_model(), stages, max(chunks, 1), rank)[:chunks]
     stage = pp.PipelineStage(modules, rank, stages)
     x, y = _batch()
-    return stage.train_step(x, y, pp.next_token_loss, microbatches, schedule)
+    return stage.train_step(x, y, next_token_loss, microbatches, schedule)
 
 
 def test_bad_input_is_a_clear_error_on_the_rank_without_hanging():

@@ -11,7 +11,7 @@ from torch import nn
 
 from dmlbook.model_parallel import backward_split as bs
 from dmlbook.model_parallel import pipeline as pp
-from dmlbook.models import char_gpt, mlp
+from dmlbook.models import char_gpt, mlp, next_token_loss
 
 TOL = dict(rtol=0, atol=1e-12)
 
@@ -48,7 +48,7 @@ def test_b_then_w_equals_the_full_backward_on_any_stage(which):
         x = torch.randn(6, 8, 16, dtype=torch.float64, generator=g, requires_grad=True)
     last = which == 2
     out = stage(x)
-    y = pp.next_token_loss(out, idx) if last else out
+    y = next_token_loss(out, idx) if last else out
     grad_y = None if last else torch.randn(y.shape, dtype=torch.float64, generator=g)
     y.backward(grad_y)
     want = {n: p.grad.clone() for n, p in stage.named_parameters()}
@@ -57,7 +57,7 @@ def test_b_then_w_equals_the_full_backward_on_any_stage(which):
     x = x if which == 0 else x.detach().requires_grad_()
     with bs.weight_outputs(stage) as owned:
         out = stage(x)
-    y = pp.next_token_loss(out, idx) if last else out
+    y = next_token_loss(out, idx) if last else out
     grad_x, pending = bs.input_gradient(y, grad_y, x, owned)
     assert all(p.grad is None for p in stage.parameters())  # B: input gradient only
     if which:

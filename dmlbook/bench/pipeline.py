@@ -156,7 +156,7 @@ def median_step(results: list[dict], case) -> list:
     return median_by(steps_of(results, case), key=pp.measured_bubble)
 
 
-def on_cpu_clock(results: list[dict], case, timelines: list) -> list[list]:
+def step_on_cpu_clock(results: list[dict], case, timelines: list) -> list[list]:
     """The ops of the step of ``case`` whose ``timelines`` these are (as :func:`median_step`
     returns them), each lasting its CPU time instead of its wall-clock time (``op_cpu`` of
     :func:`schedule_steps`), started at 0: what :func:`pp.packed_timelines` replays as the step

@@ -29,21 +29,29 @@ from dmlbook import book
 from dmlbook.book import executed
 
 # The API reference's sections: each package, the modules under it (public ones: no part of the
-# dotted name starts with "_"), in this order.
+# dotted name starts with "_"), in this order, under the package's three groups (the part of a
+# title before ":"; tests/test_layers.py checks that they name every top-level module once).
 API_SECTIONS = {
-    "Launching ranks": ["dmlbook.launch", "dmlbook.notebook"],
-    "Communication": ["dmlbook.comm"],
-    "Data parallelism (chapters 1-4)": ["dmlbook.data_parallel"],
-    "Model parallelism (chapters 5-8)": ["dmlbook.model_parallel"],
-    "Advanced paradigms (chapters 9-13)": ["dmlbook.advanced"],
-    "Data, models, optimizers, plots": [
+    "Teaching: communication (chapters 2, 4, 13)": ["dmlbook.comm"],
+    "Teaching: data parallelism (chapters 1-4)": ["dmlbook.data_parallel"],
+    "Teaching: model parallelism (chapters 5-8)": ["dmlbook.model_parallel"],
+    "Teaching: advanced paradigms (chapters 9-13)": ["dmlbook.advanced"],
+    "Shared pieces: data, models, optimizers, plots, helpers, exercises": [
         "dmlbook.datasets",
         "dmlbook.models",
         "dmlbook.optim",
         "dmlbook.viz",
+        "dmlbook.notebook",
+        "dmlbook.cpu_wait",
+        "dmlbook.exercises",
     ],
-    "Exercises, classroom, benchmarks": ["dmlbook.exercises", "dmlbook.classroom", "dmlbook.bench"],
-    "Machinery": ["dmlbook.runtime", "dmlbook.netlab", "dmlbook.book", "dmlbook.runtime.owners"],
+    "Machinery: launching ranks": ["dmlbook.launch", "dmlbook.runtime"],
+    "Machinery: network lab, book, classroom, benchmarks": [
+        "dmlbook.netlab",
+        "dmlbook.book",
+        "dmlbook.classroom",
+        "dmlbook.bench",
+    ],
 }
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import dmlbook
 from dmlbook import book
 
-__all__ = ["MANIFEST", "CopyResult", "book_files", "copy_book", "copy_report", "fingerprint"]
+__all__ = ["MANIFEST", "copy_book", "copy_report", "fingerprint"]
 
 MANIFEST = ".dmlbook-copy.json"
 _TMP_SUFFIX = ".tmp"

@@ -25,17 +25,7 @@ import nbformat
 from dmlbook.classroom.exercise_copies import BEGIN_SOLUTION, STUB, notebooks_in
 from dmlbook.exercises import GRADE_LOG
 
-__all__ = [
-    "STATUSES",
-    "ExerciseGrade",
-    "GradingKernel",
-    "NotebookGrade",
-    "grade",
-    "grade_notebook",
-    "summary",
-    "table",
-    "to_json",
-]
+__all__ = ["GradingKernel", "grade", "grade_notebook", "summary", "table", "to_json"]
 
 STATUSES = ("passed", "failed", "not attempted")
 

@@ -35,7 +35,6 @@ import numpy as np
 from dmlbook.comm.algorithms import ALGORITHMS
 
 __all__ = [
-    "P2P",
     "Link",
     "terms",
     "all_reduce_time",
@@ -46,7 +45,6 @@ __all__ = [
     "fit",
     "ping_pong",
     "fit_point_to_point",
-    "DEFAULT_P2P_SIZES",
 ]
 
 P2P = "p2p"  # one message between two ranks; fit() accepts it beside the ALGORITHMS

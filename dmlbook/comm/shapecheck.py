@@ -35,7 +35,7 @@ import torch
 from dmlbook.comm.groups import balanced_blocks, ring_slices
 from dmlbook.comm.p2p import DTYPES, Comm
 
-__all__ = ["HEADER_BYTES", "INLINE_BYTES", "MAX_DIMS", "ShapeCheck", "fits_inline"]
+__all__ = ["INLINE_BYTES", "ShapeCheck", "fits_inline"]
 
 MAX_DIMS = 8
 INLINE_BYTES = 1 << 20  # a ring's first slice up to this size travels behind the header

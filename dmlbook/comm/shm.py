@@ -68,15 +68,7 @@ from torch.distributed import ReduceOp
 from dmlbook.comm.groups import balanced_blocks
 from dmlbook.comm.p2p import DTYPES, check_op, check_tensor, combine, finish_avg, flat_view
 
-__all__ = [
-    "CELL_BYTES",
-    "CELLS",
-    "SLOT_BYTES",
-    "SharedMemoryGroup",
-    "shm_all_gather",
-    "shm_all_reduce",
-    "shm_reduce_scatter",
-]
+__all__ = ["CELLS", "SharedMemoryGroup", "shm_all_gather", "shm_all_reduce", "shm_reduce_scatter"]
 
 CELL_BYTES = 1 << 20  # one cell: block k of every chunk (512 KiB of each at 2 ranks)
 CELLS = 4  # cells per rank, used in turn (at least 3: a pipeline of three stages)

@@ -12,6 +12,7 @@
 * ``checkpoint``: atomic, resumable checkpoints, and DCP sharded ones (chapter 3)
 * ``input_pipeline``: data-loading against training bandwidth, measured (chapter 1)
 * ``serving``: data-parallel inference (chapter 3); ``tuning``: parallel hyper-parameter search
+* ``compression_experiment``: chapter 4's compression hooks trained and measured on the one loop
 
 The names of ``averaging``, ``loop`` and ``ddp`` are importable from here, as
 ``from dmlbook import data_parallel as dp; dp.train(...)``.
@@ -27,7 +28,6 @@ from dmlbook.data_parallel.averaging import (
 )
 from dmlbook.data_parallel.ddp import (
     BucketedDDP,
-    CommStats,
     DistributedDataParallel,
     GradBucket,
     NaiveDDP,
@@ -36,7 +36,6 @@ from dmlbook.data_parallel.ddp import (
 from dmlbook.data_parallel.loop import (
     Callback,
     ForwardBackward,
-    History,
     LocalBatch,
     LoopState,
     NoSync,
@@ -49,24 +48,20 @@ from dmlbook.data_parallel.loop import (
     train_reference,
     warmup,
 )
-from dmlbook.models import accuracy
 
 __all__ = [
     "BucketedDDP",
     "Callback",
-    "CommStats",
     "DistributedDataParallel",
     "GradBucket",
     "GradientAveraging",
     "ForwardBackward",
-    "History",
     "LocalBatch",
     "LoopState",
     "ModelAveraging",
     "NaiveDDP",
     "NoSync",
     "TrainConfig",
-    "accuracy",
     "assign_buckets",
     "average_gradients",
     "average_gradients_per_parameter",

@@ -27,7 +27,6 @@ from dmlbook.data_parallel.averaging import average_gradients_per_parameter, bro
 
 __all__ = [
     "BucketedDDP",
-    "CommStats",
     "DataParallelWrapper",
     "DistributedDataParallel",
     "GradBucket",

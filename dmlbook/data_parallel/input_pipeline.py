@@ -33,7 +33,6 @@ __all__ = [
     "loading_throughput",
     "training_throughput",
     "fed_training_throughput",
-    "PipelineMeasurement",
     "measure_pipeline",
     "jpeg_decode_seconds",
 ]

@@ -52,7 +52,6 @@ from dmlbook.models import Batch, accuracy, batch_loss, count_correct
 __all__ = [
     "Callback",
     "ForwardBackward",
-    "History",
     "LocalBatch",
     "LoopState",
     "NoSync",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SearchResult", "search"]
+__all__ = ["search"]
 
 
 @dataclass

@@ -38,7 +38,6 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 __all__ = [
-    "PendingWeights",
     "input_gradient",
     "linear_input_gradient",
     "linear_weight_gradient",

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from dmlbook.model_parallel.schedules import check_sizes
-from dmlbook.models import CNN, MLP, CharGPT, next_token_loss
+from dmlbook.models import CNN, MLP, CharGPT
 
-__all__ = ["even_partition", "layers_of", "next_token_loss", "split_model"]
+__all__ = ["even_partition", "layers_of", "split_model"]
 
 
 class _CharGPTEmbedding(nn.Module):

@@ -47,7 +47,6 @@ from dmlbook.model_parallel import backward_split
 from dmlbook.model_parallel.layer_split import (
     even_partition,
     layers_of,
-    next_token_loss,
     split_model,
 )
 from dmlbook.model_parallel.schedules import (
@@ -81,7 +80,6 @@ __all__ = [
     "even_partition",
     "format_schedule",
     "gpipe_schedule",
-    "next_token_loss",
     "inference_schedule",
     "interleaved_schedule",
     "layers_of",

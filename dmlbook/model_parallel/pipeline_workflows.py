@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmlbook.comm.groups import barrier, group_rank_size
-from dmlbook.cpu_wait import cores_are_free, cpu_wait_in_burst, cpu_wait_s
+from dmlbook.cpu_wait import cpu_wait_in_burst, cpu_wait_s  # noqa: F401  tests read pw.cpu_wait_in_burst
 from dmlbook.data_parallel.loop import Callback, LoopState, train_reference
 from dmlbook.datasets import char_blocks
 from dmlbook.model_parallel import pipeline as pp
@@ -65,14 +65,10 @@ __all__ = [
     "ServeResult",
     "TrainResult",
     "cpu_wait_fraction",
-    "cpu_wait_s",
-    "cores_are_free",
-    "cpu_wait_in_burst",
     "finetune_text",
     "lm_batches",
     "lm_loss",
     "merge_states",
-    "next_token_loss",
     "on_cpu_clock",
     "busy_cpu_s",
     "ideal_steps",

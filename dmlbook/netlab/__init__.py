@@ -31,7 +31,6 @@ each lab; :mod:`~dmlbook.netlab.measure` measures what a shaped link carries
 """
 
 from dmlbook.netlab.lab import (
-    SUBNET,
     Lab,
     NetlabError,
     available,
@@ -56,5 +55,4 @@ __all__ = [
     "status",
     "sweep",
     "tcp_throughput",
-    "SUBNET",
 ]

@@ -38,7 +38,6 @@ __all__ = [
     "parse_time",
     "status",
     "sweep",
-    "SUBNET",
 ]
 
 SUBNET = "10.213.0"  # 10.213.0.0/24: private, and only ever inside this lab's namespaces

@@ -1,11 +1,11 @@
 """How a rank's failure travels to the caller and becomes the exception the caller raises.
 
-A rank that raises writes a report (:func:`failure_report`: when, a one-line summary, its
-traceback, the exception itself); a rank that dies without a word leaves only its exit code and
-its last lines on stderr. :func:`classify_failure` turns either into a :class:`RankError`, and
-:func:`first_failure` names the rank that failed *first*, never one whose collective broke
-because a peer died. :func:`readable_dump` keeps the user's frames of a stuck rank's
-faulthandler dump. Shared by :func:`dmlbook.launch.run` and :class:`dmlbook.launch.Ranks`
+A rank that raises sends a report on its channel (:func:`failure_report`: when, a one-line
+summary, its traceback, the exception itself); a rank that dies without a word leaves only its
+exit code and its last lines on stderr. :func:`classify_failure` turns either into a
+:class:`RankError`, and :func:`first_failure` names the rank that failed *first*, never one whose
+collective broke because a peer died. :func:`readable_dump` keeps the user's frames of a stuck
+rank's faulthandler dump. Shared by :func:`dmlbook.launch.run` and :class:`dmlbook.launch.Ranks`
 (every chapter; chapter 1 shows a failing rank).
 """
 

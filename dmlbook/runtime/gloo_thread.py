@@ -47,13 +47,17 @@ two spinning processes a 16 MiB all-reduce's median was 12.9-33.7 ms at nice 19 
 ``DMLBOOK_GLOO_LOOP`` in the caller's environment (which every rank inherits) chooses another:
 every rank that :func:`dmlbook.launch.run` or :class:`~dmlbook.launch.Ranks` starts (or that
 ``run`` finds under torchrun) calls :func:`follow_env` once its process group is up. A group
-made later (``dist.new_group``) starts a loop thread of its own, as gloo starts it:
-:func:`follow_env` after making it applies the policy again, as chapter 13's meshes and layouts
-and chapter 3's parameter server do. Where no thread can be set (not Linux, or a sandbox that
-refuses) nothing changes; the count returned says so, and :func:`follow_env` says it on stderr
-under gloo when the policy was asked for. Going back to ``"normal"`` from ``"low"`` or ``"idle"``
-raises a thread's priority, which Linux allows only with privileges: refused threads are not
-counted.
+made later (``dist.new_group``: chapter 13's layouts, chapter 3's parameter server) starts a
+loop thread of its own, as gloo starts it; the first :func:`follow_env` in a rank also starts a
+watcher, a daemon thread that lists ``/proc/self/task`` every :data:`WATCH_INTERVAL_S` seconds
+and puts each new loop thread under the same policy, so teaching code never calls this module.
+It reads a thread's name only when the set of threads changed (a new thread's name once or,
+while it may not have named itself yet, a few times). Measured here, a tick costs 0.1-0.2 ms of
+CPU (mostly waking the thread): 0.04-0.09% of a core. Where no thread can be set (not Linux, or
+a sandbox that refuses) nothing changes; the count returned says so, and :func:`follow_env` says
+it on stderr under gloo when the policy was asked for. Going back to ``"normal"`` from ``"low"``
+or ``"idle"`` raises a thread's priority, which Linux allows only with privileges: refused
+threads are not counted.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ __all__ = [
     "loop_threads",
     "policy_from_env",
     "set_loop_policy",
+    "watching",
 ]
 
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo's TCP transport gives its event-loop thread
@@ -83,6 +88,7 @@ LOW_NICE = 19  # "low": the highest nice value, the lowest weight under SCHED_OT
 NAMING_WAIT_S = 1.0  # how long to wait for threads just started to take their names (a busy
 # machine may not run a new thread for a while; it is waited for only while one is unnamed)
 JUST_STARTED_S = 1e-3  # a thread that has run less than this may not have named itself yet
+WATCH_INTERVAL_S = 0.25  # how often the watcher lists this process's threads
 _STRAYS: set[int] = set()  # unnamed threads waited for once in vain: not waited for again
 
 
@@ -138,16 +144,28 @@ def set_loop_policy(policy: str) -> int:
     """Put every gloo transport thread of this process under ``policy`` ("normal", "low" or
     "idle", see the module's docstring). Returns how many threads were set: 0 where none
     could be."""
+    setting = _setting(policy)
+    return 0 if setting is None else _apply(loop_threads(), setting)
+
+
+def _setting(policy: str) -> tuple[int, int | None] | None:
+    """(scheduling class, nice or None) for ``policy``, "normal" level with the calling thread;
+    None where threads cannot be set here."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")):
-        return 0
+        return None
     kind = os.SCHED_IDLE if policy == "idle" else os.SCHED_OTHER
     # "normal": level with the calling thread (whose nice a new thread inherits), not nice 0
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    nice = {"normal": mine, "low": LOW_NICE, "idle": None}[policy]
+    return kind, {"normal": mine, "low": LOW_NICE, "idle": None}[policy]
+
+
+def _apply(tids, setting: tuple[int, int | None]) -> int:
+    """Put the threads ``tids`` under ``setting``; how many it could set."""
+    kind, nice = setting
     done = 0
-    for tid in loop_threads():
+    for tid in tids:
         try:
             os.sched_setscheduler(tid, kind, os.sched_param(0))
             if nice is not None:
@@ -191,13 +209,17 @@ def policy_from_env() -> str | None:
 
 
 def follow_env() -> int:
-    """Put this process's loop threads, those of groups made since the rank started included,
-    under the policy ``DMLBOOK_GLOO_LOOP`` asks for, or :data:`DEFAULT_POLICY` when it is unset.
-    Returns how many were set. Under gloo, a policy asked for that could change no thread is
-    said on stderr rather than ignored."""
+    """Put this process's loop threads under the policy ``DMLBOOK_GLOO_LOOP`` asks for, or
+    :data:`DEFAULT_POLICY` when it is unset, and keep putting those of groups made later under it
+    (the watcher, started by the first call in a process). Returns how many were set now. Under
+    gloo, a policy asked for that could change no thread is said on stderr rather than ignored."""
     asked = policy_from_env()
     policy = asked or DEFAULT_POLICY
+    seen = _tids()  # before setting: a thread started meanwhile is the watcher's to set
     done = set_loop_policy(policy)
+    setting = _setting(policy)
+    if setting is not None and seen:
+        _Watcher.follow(setting, seen)
     if done == 0 and asked:
         import torch.distributed as dist
 
@@ -208,3 +230,82 @@ def follow_env() -> int:
                 file=sys.stderr,
             )
     return done
+
+
+def watching() -> bool:
+    """Whether this process's watcher runs (a rank's, once :func:`follow_env` started it)."""
+    watcher = _Watcher.current
+    return watcher is not None and watcher.thread.is_alive()
+
+
+def _tids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _name(tid: int) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread ended meanwhile
+        return None
+
+
+class _Watcher:
+    """The daemon thread that puts each new loop thread of this process under the policy.
+
+    Each tick lists ``/proc/self/task``; only when the set changed does it read the new threads'
+    names. A new thread named like the thread that called :func:`follow_env` and that has run
+    less than :data:`JUST_STARTED_S` may not have named itself yet: it is read again on the next
+    ticks, for up to :data:`NAMING_WAIT_S`. Threads it has seen once it never sets again, so a
+    policy set by hand afterwards (chapter 4's cell) stays."""
+
+    current: _Watcher | None = None
+    lock = threading.Lock()
+
+    def __init__(self, setting: tuple[int, int | None], seen: set[int]) -> None:
+        self.setting, self.seen, self.pid = setting, set(seen), os.getpid()
+        self.creator = _name(threading.get_native_id())
+        self.pending: dict[int, float] = {}  # a new thread not named yet -> when first seen
+        self.thread = threading.Thread(target=self._watch, name="dmlbook-gloo-watch", daemon=True)
+
+    @classmethod
+    def follow(cls, setting: tuple[int, int | None], seen: set[int]) -> None:
+        """Start this process's watcher, or give the running one the policy now asked for."""
+        with cls.lock:
+            watcher = cls.current
+            if watcher is not None and watcher.pid == os.getpid() and watcher.thread.is_alive():
+                watcher.setting = setting
+                return
+            cls.current = cls(setting, seen)  # (in a forked child, the parent's is not running)
+            cls.current.thread.start()
+
+    def _watch(self) -> None:
+        from dmlbook.cpu_wait import scheduler_clock
+
+        last = set(self.seen)
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            now = _tids()
+            if now == last and not self.pending:
+                continue
+            last = now
+            python = {t.native_id for t in threading.enumerate()}
+            for tid in now - self.seen:
+                first = self.pending.setdefault(tid, time.monotonic())
+                name = _name(tid)
+                if name == LOOP_THREAD:
+                    _apply([tid], self.setting)
+                elif (
+                    name == self.creator
+                    and tid not in python
+                    and scheduler_clock([tid])[0] < JUST_STARTED_S
+                    and time.monotonic() - first < NAMING_WAIT_S
+                ):
+                    continue  # may not have named itself yet: read it again next tick
+                self.seen.add(tid)
+                self.pending.pop(tid, None)
+            self.seen &= now  # ended threads (their ids may come back for new ones)
+            self.pending = {t: s for t, s in self.pending.items() if t in now}

@@ -3,9 +3,10 @@
 The machinery behind :func:`dmlbook.launch.run` (every chapter; :mod:`dmlbook.launch` tells the
 idiom). A launch ships the function (:mod:`dmlbook.runtime.shipping`), starts the ranks
 (:class:`~dmlbook.runtime.rank_group.RankGroup`, in a network namespace of their own:
-:mod:`dmlbook.runtime.private_net`), then watches the private folder for each rank's
-result or failure report (:mod:`dmlbook.runtime.protocol`) until every rank has answered, one has
-failed (:mod:`dmlbook.runtime.failures` names the first) or the timeout has passed.
+:mod:`dmlbook.runtime.private_net`), then waits on the ranks' channels, the socket pairs a
+:class:`~dmlbook.launch.Ranks` session talks over too (:mod:`dmlbook.runtime.protocol`), and on
+their exits, until every rank has sent its result, one has failed
+(:mod:`dmlbook.runtime.failures` names the first) or the timeout has passed.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmlbook.runtime import gloo_thread
-from dmlbook.runtime import errors, protocol, shipping, zygote
+from dmlbook.runtime import errors, gloo_thread, protocol, shipping, zygote
 from dmlbook.runtime.errors import (
     BACKENDS,
     INSIDE_RUN,
@@ -36,6 +36,8 @@ from dmlbook.runtime.failures import first_failure
 from dmlbook.runtime.rank_group import RankGroup, resolve_backend
 
 __all__ = ["free_port", "run", "set_helper_idle_timeout"]
+
+WAKE_S = 0.05  # the longest wait for a message: exits and a failure's grace are checked this often
 
 
 def set_helper_idle_timeout(seconds: float | None) -> None:
@@ -170,16 +172,15 @@ class _Launch:
         failures: dict[int, tuple[tuple[bool, float], RankError]] = {}
         first_failure_seen = None
         while True:
-            group.drain_output()
-            for rank in range(self.world_size):
-                if rank in results or rank in failures:
-                    continue
-                exited = group.exits.get(rank)  # look before the result file: a rank writes
-                result_file = protocol.result_file(group.workdir, rank)  # its result, then exits
-                if result_file.exists():
-                    results[rank] = _load_result(rank, result_file)
-                elif exited is not None:
-                    failures[rank] = group.failure(rank)
+            # Exits first: a rank sends its answer, then exits, so once its exit is seen here, the
+            # wait below reads whatever it sent (its result, or the report of its failure).
+            exited = set(group.exits)
+            wait = min(WAKE_S, max(0.0, deadline - time.monotonic()))
+            for rank, message in group.receive(wait):
+                if message is not None and message[0] == "done":
+                    results[rank] = _load_result(rank, message[2])
+            for rank in exited - results.keys() - failures.keys():
+                failures[rank] = group.failure(rank)
             if failures:
                 first_failure_seen = first_failure_seen or time.monotonic()
                 if time.monotonic() - first_failure_seen >= errors.FAILURE_GRACE_S:
@@ -190,12 +191,11 @@ class _Launch:
             elif time.monotonic() > deadline:
                 stuck = [r for r in range(self.world_size) if r not in results]
                 raise timeout_error(stuck, group.stack_dumps(stuck), self.timeout)
-            time.sleep(0.01)
 
 
-def _load_result(rank: int, path: Path) -> Any:
+def _load_result(rank: int, data: bytes) -> Any:
     try:
-        return pickle.loads(path.read_bytes())
+        return pickle.loads(data)
     except Exception as e:  # e.g. an instance of a class this process cannot import
         raise RankError(
             f"rank {rank} returned a result the caller cannot unpickle: {e}", rank

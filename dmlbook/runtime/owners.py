@@ -16,7 +16,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-__all__ = ["Owner", "start_time"]
+__all__ = ["Owner"]
 
 _TOKEN = re.compile(r"(\d+)-(\d+)@([A-Za-z0-9._-]+)")
 

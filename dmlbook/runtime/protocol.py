@@ -2,23 +2,28 @@
 only, so that the helper, which must not import the package's torch code, can share it).
 
 Used by every chapter through :func:`dmlbook.launch.run` and, for ranks that live across cells
-(chapters 2 and 9), :class:`dmlbook.launch.Ranks`. Two channels carry it:
+(chapters 2 and 9), :class:`dmlbook.launch.Ranks`. What goes in, every rank reads from files;
+every answer comes back on a channel:
 
-* **The launch's private folder** (mode 0700, made by :mod:`dmlbook.runtime.rank_group`). The
-  caller writes :data:`META` (what every rank reads first) and, for a launch, :data:`PAYLOAD`
-  (the shipped function and its arguments); a rank answers with :func:`result_file` or
-  :func:`error_file` (a failure report, :func:`dmlbook.runtime.failures.failure_report`), each
-  written whole by :func:`write_atomic`, and appends a faulthandler dump to :func:`stack_file`
-  when the caller sends SIGUSR1. :data:`STORE` is the ``FileStore`` the ranks rendezvous on.
-* **A session's socket pair per rank**, as :class:`Channel` messages (length-prefixed pickles).
-  The caller sends requests ``(kind, id, *body)``, kind ``exec``, ``call``, ``push`` or ``pull``
-  (:mod:`dmlbook.runtime.rank_server`); the rank answers
-  ``("ready", 0, pid)`` once, then for each request ``("done", id, value)``, ``("error", id,
-  report)`` or ``("interrupted", id, report)``, after any number of ``("out", stream, text)``
-  lines the request printed. A value that cannot be pickled comes back as :class:`Shown`.
+* **The private folder** (mode 0700, made by :mod:`dmlbook.runtime.rank_group`). The caller
+  writes :data:`META` (what every rank reads first) and, for a launch, :data:`PAYLOAD` (the
+  shipped function and its arguments, written once for all ranks); :data:`STORE` is the
+  ``FileStore`` the ranks rendezvous on; a rank appends a faulthandler dump to
+  :func:`stack_file` when the caller sends SIGUSR1.
+* **A socket pair per rank**, as :class:`Channel` messages (length-prefixed pickles), for a
+  launch and a session alike. The start is request :data:`START`: a launch's rank answers it
+  with ``("done", 0, value)``, the pickled result of its function, and a session's rank with
+  ``("ready", 0, pid)``; a rank that fails (its function raised, its process group did not come
+  up) answers ``("error", 0, report)`` (:func:`dmlbook.runtime.failures.failure_report`) and
+  exits. A session's rank then serves requests ``(kind, id, *body)``, kind ``exec``, ``call``,
+  ``push`` or ``pull`` (:mod:`dmlbook.runtime.rank_server`), answering each with ``("done", id,
+  value)``, ``("error", id, report)`` or ``("interrupted", id, report)``, after any number of
+  ``("out", stream, text)`` lines the request printed. A value that cannot be pickled comes back
+  as :class:`Shown`. The caller waits on all the ranks' channels at once
+  (:meth:`dmlbook.runtime.rank_group.RankGroup.receive`).
 
-A rank finds the descriptors it was given beyond stdout and stderr (a session's end of its
-channel) in the environment variable :data:`PASSED_FDS`, whether the helper forked it or the
+A rank finds the descriptors it was given beyond stdout and stderr (its end of its channel
+first) in the environment variable :data:`PASSED_FDS`, whether the helper forked it or the
 caller spawned it.
 """
 
@@ -38,43 +43,25 @@ __all__ = [
     "META",
     "PASSED_FDS",
     "PAYLOAD",
+    "START",
     "STORE",
     "Channel",
     "Shown",
-    "error_file",
-    "result_file",
     "stack_file",
-    "write_atomic",
 ]
 
 META = "meta.pkl"  # dict: world_size, backend, timeout, store, sys_path, cwd, sources, ...
 PAYLOAD = "payload.pkl"  # a launch's (fn, args, kwargs), shipped by dmlbook.runtime.shipping
 STORE = "store"  # the FileStore the ranks rendezvous on
-# A rank's file descriptors beyond stdout and stderr (a session's control channel), as the rank
-# finds them: comma-separated numbers in this environment variable.
+# A rank's file descriptors beyond stdout and stderr (its channel first), as the rank finds
+# them: comma-separated numbers in this environment variable.
 PASSED_FDS = "DMLBOOK_PASSED_FDS"
-
-
-def result_file(workdir: Path, rank: int) -> Path:
-    """Where rank ``rank`` of a launch writes its pickled result."""
-    return workdir / f"result{rank}.pkl"
-
-
-def error_file(workdir: Path, rank: int) -> Path:
-    """Where a rank that raised writes its failure report (a pickled dict)."""
-    return workdir / f"error{rank}.pkl"
+START = 0  # the id of the start request, which every rank answers first
 
 
 def stack_file(workdir: Path, rank: int) -> Path:
     """Where a rank appends its stacks when the caller sends SIGUSR1."""
     return workdir / f"stack{rank}.txt"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` so that a reader sees the whole file or none of it."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 _HEADER = struct.Struct("!Q")  # the length of the pickle that follows
@@ -99,10 +86,11 @@ class Channel:
 
     def recv(self) -> Any:
         """The next message, or None once the other end has closed."""
-        header = self._read(_HEADER.size)
-        if header is None:
-            return None
-        data = self._read(_HEADER.unpack(header)[0])
+        with _interrupt_after():  # the caller reads in its main thread, where Ctrl-C lands
+            header = self._read(_HEADER.size)
+            if header is None:
+                return None
+            data = self._read(_HEADER.unpack(header)[0])
         return None if data is None else pickle.loads(data)
 
     def _read(self, size: int) -> bytes | None:

@@ -4,18 +4,21 @@ chapter starts its ranks here).
 
 A :class:`RankGroup` owns, for one launch or one interactive session:
 
-* a private folder (mode 0700: :mod:`dmlbook.runtime.protocol`'s files in and out) that also
-  holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only this
-  user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
+* a private folder (mode 0700: what the ranks read first, :mod:`dmlbook.runtime.protocol`) that
+  also holds the store the ranks rendezvous on: a ``FileStore``, so the rendezvous is a file only
+  this user can open, outlives any rank, and costs no socket (see :func:`rendezvous_env`);
 * the processes, forked from the warm helper (:mod:`dmlbook.runtime.zygote`) or spawned as fresh
   interpreters, each in a session of its own, with :func:`threads_per_rank` threads, all in a
   user and network namespace of the group's own (:mod:`dmlbook.runtime.private_net`), so that
   no other user can connect to their sockets;
 * their stdout and stderr pipes, read by threads and printed marked ``[rank r]`` from the
   caller's thread; the exit of each, timed exactly;
-* for a session, one socket pair per rank (the channel :mod:`dmlbook.runtime.rank_server` serves).
+* one socket pair per rank, the :class:`~dmlbook.runtime.protocol.Channel` every answer comes
+  back on (a launch's result, a session's replies); :meth:`RankGroup.receive` waits on all of
+  them at once, showing the ranks' output meanwhile.
 
-A rank that failed becomes an exception through :mod:`dmlbook.runtime.failures`;
+A rank that failed becomes an exception through :mod:`dmlbook.runtime.failures`, from the report
+it sent before it exited (or, if it died without one, its exit and its last lines on stderr);
 :meth:`RankGroup.stack_dumps` asks stuck ranks for their Python stacks (faulthandler on SIGUSR1).
 """
 
@@ -25,6 +28,7 @@ import os
 import pickle
 import queue
 import re
+import selectors
 import shutil
 import signal
 import socket
@@ -35,14 +39,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dmlbook.runtime import gloo_thread
-from dmlbook.runtime.owners import Owner
-from dmlbook.runtime import private_net, protocol, zygote
+from dmlbook.runtime import gloo_thread, private_net, protocol, zygote
 from dmlbook.runtime.errors import INSIDE_RUN, RankError
 from dmlbook.runtime.failures import classify_failure, readable_dump
+from dmlbook.runtime.owners import Owner
 
 # What a spawned rank runs, as ``python -c``; a forked one does the same (zygote.py): first it
 # joins the run's network (while it has one thread: before torch, whose import may start some).
@@ -119,7 +123,9 @@ class RankGroup:
                 self.helper.release()
             raise
         self.procs: list = []
-        self.controls: list[socket.socket] = []  # serve: the caller's end of each rank's channel
+        self.channels: list[protocol.Channel] = []  # the caller's end of each rank's channel
+        self.waiting = selectors.DefaultSelector()  # the channels still open, keyed by rank
+        self.reports: dict[int, dict] = {}  # rank -> the report it sent as it failed and exited
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
         self.stderr_pumps: dict[int, threading.Thread] = {}
@@ -194,11 +200,10 @@ class RankGroup:
         for name in ("MASTER_ADDR", "MASTER_PORT"):  # nothing listens for this rendezvous
             env.pop(name, None)
         env.pop(private_net.JOIN, None)
-        pass_fds: list[int] = []
-        if self.serve:
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.controls.append(mine)
-            pass_fds.append(theirs.fileno())
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channels.append(protocol.Channel(mine))
+        self.waiting.register(mine, selectors.EVENT_READ, rank)
+        pass_fds = [theirs.fileno()]  # the rank's end of its channel comes first
         if net_fds:  # the namespaces' descriptors come last (private_net.enter)
             env[private_net.JOIN] = "1"
             pass_fds += net_fds
@@ -218,8 +223,7 @@ class RankGroup:
                     start_new_session=True,  # its own process group: killpg reaches its children
                 )
         finally:
-            if self.serve:
-                theirs.close()  # the rank holds it now: EOF on ours when the rank is gone
+            theirs.close()  # the rank holds it now: EOF on ours when the rank is gone
         self.procs.append(proc)
         for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             pump = threading.Thread(target=self._pump, args=(rank, name, stream), daemon=True)
@@ -240,6 +244,28 @@ class RankGroup:
             self.output.put((rank, name, raw.decode(errors="replace").rstrip("\n")))
         stream.close()
 
+    def receive(self, timeout: float) -> list[tuple[int, Any]]:
+        """Wait up to ``timeout`` seconds for the ranks' messages, and show their output first.
+
+        Returns ``(rank, message)`` for each rank whose channel had one (empty if none came in
+        time); the message is None once that rank's end has closed: it is gone. A rank's report
+        as it fails (``("error", START, report)``) is also kept for :meth:`failure`.
+        """
+        self.drain_output()
+        messages = []
+        for key, _ in self.waiting.select(timeout):
+            rank = key.data
+            try:
+                message = self.channels[rank].recv()
+            except (OSError, EOFError, pickle.UnpicklingError):
+                message = None
+            if message is None:
+                self.waiting.unregister(key.fileobj)
+            elif message[:2] == ("error", protocol.START):
+                self.reports[rank] = message[2]
+            messages.append((rank, message))
+        return messages
+
     def drain_output(self) -> None:
         """Print what the ranks wrote to their pipes, marked with the rank, from this thread."""
         while True:
@@ -252,10 +278,10 @@ class RankGroup:
             print(f"[rank {rank}] {line}", file=sys.stderr if name == "stderr" else sys.stdout)
 
     def failure(self, rank: int) -> tuple[tuple[bool, float], RankError]:
-        """A rank that exited without a result, as ((is it a knock-on failure, when), error)."""
+        """A rank that exited without a result, as ((is it a knock-on failure, when), error): from
+        the report it sent, which :meth:`receive` has read once it returns after the exit."""
         died_at, code = self.exits[rank]
-        report_file = protocol.error_file(self.workdir, rank)
-        report = pickle.loads(report_file.read_bytes()) if report_file.exists() else None
+        report = self.reports.get(rank)  # what it sent before it exited, if anything
         if report is None and rank in self.stderr_pumps:  # its last words are all we will have
             self.stderr_pumps[rank].join(timeout=LAST_WORDS_WAIT_S)
             self.drain_output()
@@ -297,8 +323,9 @@ class RankGroup:
     def close(self) -> None:
         """Kill the ranks, print what they had left to say, remove the folder. Idempotent."""
         self.kill()
-        for sock in self.controls:
-            sock.close()
+        self.waiting.close()
+        for channel in self.channels:
+            channel.close()
         deadline = time.monotonic() + 1.0  # the pipes close once the ranks are gone
         for pump in self.pumps:
             pump.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,12 +1,14 @@
 """What runs inside each rank process that :func:`dmlbook.launch.run` or
 :class:`dmlbook.launch.Ranks` starts (every chapter's ranks).
 
-The caller and a rank talk through files in a private temporary folder
-(:mod:`dmlbook.runtime.protocol`): the meta data and the payload in, then the result or a
-failure report out, each written atomically; the stack file receives a faulthandler dump when
-the caller sends SIGUSR1. A session's rank (``meta["serve"]``) has no payload: once its process
-group is up it serves the caller's requests (:mod:`dmlbook.runtime.rank_server`) until the
-caller closes the channel.
+A rank reads what it needs from the run's private folder (:mod:`dmlbook.runtime.protocol`): the
+meta data and, for a launch, the payload (the function and its arguments); it answers on its
+channel, the socket pair the caller made for it: a launch's rank with its function's result,
+``("done", START, value)``, and any rank that fails with its report, ``("error", START,
+report)``, before it exits. A session's rank (``meta["serve"]``) has no payload: once its
+process group is up it serves the caller's requests on the same channel
+(:mod:`dmlbook.runtime.rank_server`) until the caller closes it. The stack file receives a
+faulthandler dump when the caller sends SIGUSR1.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from dmlbook.runtime import gloo_thread
-from dmlbook.runtime import protocol, rank_server, shipping
+from dmlbook.runtime import gloo_thread, protocol, rank_server, shipping
 from dmlbook.runtime.failures import failure_report
 
 
@@ -44,9 +45,9 @@ def main() -> None:
     sys.path[:] = meta["sys_path"]
     os.chdir(meta["cwd"])
     shipping.install_sources(meta["sources"])
+    channel = protocol.Channel.passed_in()
     try:
         if meta["serve"]:
-            channel = protocol.Channel.passed_in()
             _init_process_group(rank, meta)
             rank_server.serve(channel, rank, meta["world_size"])  # until the channel closes
             # which means the caller is gone (a caller that closes the session kills us first):
@@ -55,11 +56,12 @@ def main() -> None:
         fn, args, kwargs = pickle.loads((workdir / protocol.PAYLOAD).read_bytes())
         _init_process_group(rank, meta)
         result = fn(*args, **kwargs)
-        protocol.write_atomic(protocol.result_file(workdir, rank), shipping.dumps(result)[0])
+        channel.send(("done", protocol.START, shipping.dumps(result)[0]))
     except BaseException as e:  # SystemExit and KeyboardInterrupt in fn are failures too
         try:
-            _report_failure(workdir, rank, e, failed_at=time.time())
-        finally:  # even if the report cannot be written (the caller and its folder are gone)
+            report = failure_report(e, time.time(), hide=(__file__,))
+            channel.send(("error", protocol.START, report))
+        finally:  # even if the report cannot be sent (the caller is gone)
             _exit(1, meta["parent_pid"], workdir)
     if dist.is_initialized():  # fn may have destroyed it already, as DDP tutorials do
         dist.destroy_process_group()
@@ -122,11 +124,6 @@ def _init_process_group(rank: int, meta: dict) -> None:
         store.set(_ALL_JOINED, b"1")
     store.wait([_ALL_JOINED])
     gloo_thread.follow_env()  # DMLBOOK_GLOO_LOOP, from the caller's environment
-
-
-def _report_failure(workdir: Path, rank: int, e: BaseException, failed_at: float) -> None:
-    report = failure_report(e, failed_at, hide=(__file__,))
-    protocol.write_atomic(protocol.error_file(workdir, rank), pickle.dumps(report))
 
 
 def _exit_with_parent(parent_pid: int, workdir: Path) -> None:

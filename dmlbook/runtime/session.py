@@ -14,8 +14,9 @@ object behind ``%ranks`` and ``%%ranks`` (:mod:`dmlbook.runtime.magic`); in a sc
 
 Each rank's namespace starts with ``torch``, ``dist``, ``rank`` and ``world_size``. The ranks
 start, rendezvous, report failures and die with the caller exactly as ``run``'s do
-(:mod:`dmlbook.runtime.rank_group`); requests and answers travel over one socket pair per rank
-(:mod:`dmlbook.runtime.protocol`), served by :mod:`dmlbook.runtime.rank_server`. Failures:
+(:mod:`dmlbook.runtime.rank_group`); requests and answers travel over the same channel a launch's
+ranks answer on, one socket pair per rank (:mod:`dmlbook.runtime.protocol`), served by
+:mod:`dmlbook.runtime.rank_server`. Failures:
 
 * a rank that raises gives :class:`~dmlbook.launch.RankError` with the cell's source line; the
   other ranks keep their state. Ranks still running are interrupted; one that waits inside a
@@ -33,10 +34,8 @@ import itertools
 import math
 import os
 import pickle
-import queue
 import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -53,7 +52,7 @@ from dmlbook.runtime.errors import (
     timeout_error,
 )
 from dmlbook.runtime.failures import classify_failure, first_failure
-from dmlbook.runtime.protocol import Channel
+from dmlbook.runtime.protocol import START
 from dmlbook.runtime.rank_group import RankGroup, resolve_backend
 
 __all__ = ["Ranks", "RankStatus", "RanksClosedError"]
@@ -156,21 +155,14 @@ class Ranks:
 
     def _start(self) -> None:
         group = RankGroup(self.world_size, self.backend, self.timeout, serve=True)
-        self._group, self._busy, self._next_id = group, {}, 0
-        self._inbox: queue.Queue = queue.Queue()
+        self._group, self._busy, self._next_id = group, {}, START
         # Closes the ranks when this object is collected or the interpreter exits (atexit).
         self._finalizer = weakref.finalize(self, group.close)
         try:
             group.start()
-            self._channels = [Channel(sock) for sock in group.controls]
-            for rank, channel in enumerate(self._channels):
-                reader = threading.Thread(
-                    target=_read, args=(rank, channel, self._inbox), daemon=True
-                )
-                reader.start()
             self._closed = None
-            self._busy = {rank: 0 for rank in range(self.world_size)}  # until each is ready
-            self._collect(0, list(range(self.world_size)), START_TIMEOUT_S, "start")
+            self._busy = {rank: START for rank in range(self.world_size)}  # until each is ready
+            self._collect(START, list(range(self.world_size)), START_TIMEOUT_S, "start")
         except BaseException:
             self._shut("failed to start")
             raise
@@ -192,9 +184,9 @@ class Ranks:
         for rank in ranks:
             self._busy[rank] = self._next_id
             try:
-                self._channels[rank].send((kind, self._next_id, *body))
+                self._group.channels[rank].send((kind, self._next_id, *body))
             except OSError:
-                pass  # the rank is gone: its reader reports that
+                pass  # the rank is gone: its channel's close reports that
         values = self._collect(self._next_id, ranks, timeout, kind)
         return [pickle.loads(values[rank]) for rank in ranks]
 
@@ -239,12 +231,14 @@ class Ranks:
         return answers
 
     def _take(self, request_id, answers, failures, output, timeout: float) -> bool:
-        """Handle the next message from any rank; True if it answered this request."""
-        self._group.drain_output()  # what ranks wrote to their pipes (C++ and such)
-        try:
-            rank, message = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return False
+        """Handle what the ranks send within ``timeout``; True if one answered this request."""
+        answered = False
+        for rank, message in self._group.receive(timeout):
+            answered |= self._handle(rank, message, request_id, answers, failures, output)
+        return answered
+
+    def _handle(self, rank, message, request_id, answers, failures, output) -> bool:
+        """One message from ``rank``; True if it answered this request."""
         if message is None:  # the rank's channel closed: it died
             failures[rank] = None
             return True
@@ -252,6 +246,8 @@ class Ranks:
         if kind == "out":
             output.add(rank, key, body)
             return False
+        if kind == "error" and key == START:
+            return False  # it failed to start and exits: its report is the group's, its close next
         if kind == "ready" or key == request_id:
             self._busy.pop(rank, None)
             if kind in ("done", "ready"):
@@ -352,18 +348,6 @@ class _Output:
             file = sys.stderr if stream == "stderr" else sys.stdout
             for line in text.splitlines():
                 print(f"[rank {rank}] {line}", file=file)
-
-
-def _read(rank: int, channel: Channel, inbox: queue.Queue) -> None:
-    """A reader thread: every message from one rank into the session's inbox; None at the end."""
-    while True:
-        try:
-            message = channel.recv()
-        except (OSError, EOFError, pickle.UnpicklingError):
-            message = None
-        inbox.put((rank, message))
-        if message is None:
-            return
 
 
 def _ship(obj: Any) -> tuple[bytes, dict]:

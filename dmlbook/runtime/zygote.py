@@ -13,9 +13,9 @@ Every chapter's ranks start here.
   imports :mod:`dmlbook.runtime.rank_process` after the fork.
 * Each rank is forked on request into a session of its own (``killpg`` reaches what it starts),
   with stdin on /dev/null and stdout and stderr on pipes that the caller made and passed over a
-  Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's. A
-  persistent rank (:mod:`dmlbook.runtime.session`) also gets the rank's end of its control
-  channel, whose number it finds in ``$DMLBOOK_PASSED_FDS`` (:data:`protocol.PASSED_FDS`).
+  Unix socket (``SCM_RIGHTS``). The caller reads them exactly as it reads a spawned rank's.
+  Every rank also gets its end of its channel, on which it answers the caller, whose number it
+  finds in ``$DMLBOOK_PASSED_FDS`` (:data:`protocol.PASSED_FDS`).
 * The child, while it still has one thread, joins the run's own user and network namespace
   (:mod:`dmlbook.runtime.private_net`), whose descriptors the caller passed along. A small
   process that the helper forks first, before it imports torch, makes these namespaces, one
@@ -65,7 +65,7 @@ WARM_LATER = (
 )
 START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
 _MAX_MESSAGE = 1 << 20
-_MAX_FDS = 5  # stdout, stderr, a session's channel, the run's user and network namespaces
+_MAX_FDS = 5  # stdout, stderr, the rank's channel, the run's user and network namespaces
 IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
 IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 

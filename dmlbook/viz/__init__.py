@@ -55,7 +55,6 @@ from dmlbook.viz.layouts import (
 )
 from dmlbook.viz.model_split import model_split
 from dmlbook.viz.pipeline import (
-    GANTT_COLOURS,
     checkpoint_segments,
     gantt,
     held_activations,
@@ -67,7 +66,6 @@ from dmlbook.viz.sharding import (
     attention_heads,
     gemm_splits,
     tp_block,
-    tp_block_ops,
     vocab_split,
     zero_step,
     zero_step_ops,
@@ -107,7 +105,6 @@ __all__ = [
     "zero_stages",
     "checkpoint_segments",
     "gantt",
-    "GANTT_COLOURS",
     "held_activations",
     "idle_gaps",
     "pipeline_sweep",
@@ -115,7 +112,6 @@ __all__ = [
     "attention_heads",
     "gemm_splits",
     "tp_block",
-    "tp_block_ops",
     "vocab_split",
     "zero_step",
     "zero_step_ops",

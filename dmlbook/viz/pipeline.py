@@ -17,7 +17,6 @@ from typing import Protocol
 import matplotlib.pyplot as plt
 
 __all__ = [
-    "GANTT_COLOURS",
     "checkpoint_segments",
     "gantt",
     "held_activations",

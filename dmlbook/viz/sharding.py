@@ -16,7 +16,6 @@ __all__ = [
     "attention_heads",
     "gemm_splits",
     "tp_block",
-    "tp_block_ops",
     "vocab_split",
     "zero_step",
     "zero_step_ops",

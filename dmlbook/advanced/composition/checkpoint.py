@@ -66,18 +66,12 @@ from dmlbook.model_parallel.pipeline import PipelineStage
 from dmlbook.models import Batch
 
 __all__ = [
-    "FUSED",
-    "TP_CUTS",
-    "Piece",
-    "Resumed",
-    "check_fits",
     "checkpoint_state",
     "load_and_train",
     "load_composed",
     "pieces",
     "save_composed",
     "saved_chunks",
-    "tp_mesh",
     "train_and_save",
 ]
 

@@ -53,7 +53,6 @@ __all__ = [
     "apply_pp",
     "apply_tp",
     "compose",
-    "composed_plan",
 ]
 
 # The order in which the parallelisms are applied, stated once; compose() walks it.

@@ -38,7 +38,7 @@ from dmlbook.advanced.composition.plan import tensor_parallel_char_gpt
 from dmlbook.comm.groups import local_rows
 from dmlbook.models import CharGPT
 
-__all__ = ["HybridResult", "hybrid_step", "shard_of", "train_hybrid"]
+__all__ = ["hybrid_step", "shard_of", "train_hybrid"]
 
 
 @dataclass

@@ -53,8 +53,6 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from dmlbook.runtime import gloo_thread
-
 __all__ = ["DEGREE_AXES", "GRID_AXES", "Axis", "Layout", "ProcessGroups"]
 
 
@@ -259,7 +257,6 @@ class ProcessGroups:
                     else None
                 )
             setattr(self, axis.value, made[key])
-        gloo_thread.follow_env()  # the new groups' transport threads, as the world's
 
     def size(self, axis: str) -> int:
         """How many ranks this rank's group along ``axis`` has (a ValueError naming an axis

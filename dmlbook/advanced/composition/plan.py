@@ -39,7 +39,6 @@ __all__ = [
     "CHAR_GPT_PLAN",
     "AttentionParallel",
     "ColwiseParallel",
-    "FeedForwardParallel",
     "LossParallel",
     "RowwiseParallel",
     "Style",

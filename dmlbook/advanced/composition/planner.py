@@ -37,7 +37,6 @@ from dmlbook.model_parallel.pipeline import even_partition
 
 __all__ = [
     "Network",
-    "PredictedTraffic",
     "Workload",
     "holdings",
     "layouts_of",
@@ -48,9 +47,7 @@ __all__ = [
     "predict_memory",
     "predict_traffic",
     "rank_layouts",
-    "stage_layers",
     "step_flops",
-    "step_time",
 ]
 
 

@@ -58,9 +58,7 @@ from dmlbook.model_parallel.pipeline import OpRecord, PipelineStage, StepResult
 from dmlbook.models import Batch
 
 __all__ = [
-    "ComposedResult",
     "PHASES",
-    "StepMeasurement",
     "StepMeter",
     "compare_with_reference",
     "composed_step",

@@ -37,14 +37,7 @@ from dmlbook.advanced.tensor_parallel import ParallelSelfAttention
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.models import CausalSelfAttention
 
-__all__ = [
-    "CONTEXT_PARALLEL_PLAN",
-    "ContextParallel",
-    "ContextParallelAttention",
-    "ContextParallelPositions",
-    "cp_chunks",
-    "local_positions",
-]
+__all__ = ["ContextParallel", "ContextParallelAttention", "ContextParallelPositions", "cp_chunks"]
 
 
 def cp_chunks(local_len: int, cp_size: int, zigzag: bool = True) -> RankChunks:

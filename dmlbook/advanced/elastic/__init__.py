@@ -74,7 +74,6 @@ from dmlbook.advanced.elastic.training import (
     train_worker,
     uninterrupted_run,
 )
-from dmlbook.launch import free_port  # chapter 11 calls el.free_port
 
 __all__ = [
     "SCRIPT",
@@ -89,7 +88,6 @@ __all__ = [
     "Timeline",
     "elastic_batches",
     "epoch_order",
-    "free_port",
     "lr_for",
     "rank_batch",
     "position_after",

@@ -25,14 +25,13 @@ from dmlbook.data_parallel import (
     GradientAveraging,
     LocalBatch,
     LoopState,
-    accuracy,
     linear_scaling,
     train_loop,
     train_reference,
 )
 from dmlbook.data_parallel import checkpoint as ckpt
 from dmlbook.datasets import load_digits, shard_indices
-from dmlbook.models import Batch, mlp
+from dmlbook.models import Batch, accuracy, mlp
 
 # --------------------------------------------------------------------------- the timeline
 

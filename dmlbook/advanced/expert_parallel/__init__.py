@@ -11,9 +11,8 @@ module did.
 """
 
 from dmlbook.advanced.expert_parallel.layer import (
-    ExpertParallel,
     ExpertParallelMoE,
     apply_expert_parallel,
 )
 
-__all__ = ["ExpertParallel", "ExpertParallelMoE", "apply_expert_parallel"]
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel"]

@@ -38,7 +38,7 @@ from dmlbook.advanced.expert_parallel.moe import MoEFeedForward, Routing
 from dmlbook.comm.alltoall import all_to_all_single, differentiable_all_to_all, exchange_sizes
 from dmlbook.comm.groups import even_block, group_rank_size
 
-__all__ = ["ExpertParallel", "ExpertParallelMoE", "Trip", "apply_expert_parallel"]
+__all__ = ["ExpertParallelMoE", "apply_expert_parallel"]
 
 
 @dataclass

@@ -41,13 +41,11 @@ of :mod:`~dmlbook.advanced.speedups.intervals`), :mod:`~dmlbook.advanced.speedup
 """
 
 from dmlbook.advanced.speedups.heterogeneous import (
-    HeteroRun,
     equal_batches,
     measure_speeds,
     proportional_batches,
     train_heterogeneous,
     train_union_reference,
-    union_batches,
 )
 from dmlbook.advanced.speedups.intervals import (
     Interval,
@@ -59,8 +57,6 @@ from dmlbook.advanced.speedups.intervals import (
 )
 from dmlbook.advanced.speedups.jobs import (
     Job,
-    JobRun,
-    MultiplexRun,
     job_reference,
     run_alone,
     run_multiplexed,
@@ -69,10 +65,8 @@ from dmlbook.advanced.speedups.jobs import (
 from dmlbook.advanced.speedups.profiling import (
     STEP,
     WRAPPERS,
-    StepProfile,
     analyse_trace,
     is_backward,
-    is_communication,
     load_trace,
     profile_data_parallel,
     trace_steps,
@@ -87,16 +81,12 @@ __all__ = [
     "intersection",
     "difference",
     "overlap_fraction",
-    "is_communication",
     "is_backward",
-    "StepProfile",
     "load_trace",
     "analyse_trace",
     "profile_data_parallel",
     "trace_steps",
     "Job",
-    "JobRun",
-    "MultiplexRun",
     "run_alone",
     "run_multiplexed",
     "train_job",
@@ -104,8 +94,6 @@ __all__ = [
     "proportional_batches",
     "equal_batches",
     "measure_speeds",
-    "HeteroRun",
-    "union_batches",
     "train_heterogeneous",
     "train_union_reference",
 ]

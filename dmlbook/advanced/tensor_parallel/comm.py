@@ -56,11 +56,9 @@ from dmlbook.comm.alltoall import exchange_sizes
 from dmlbook.comm.groups import even_block, group_rank_size
 
 __all__ = [
-    "SEQ_DIM",
     "AllGatherForwardSplitBackward",
     "AllReduceForwardIdentityBackward",
     "IdentityForwardAllReduceBackward",
-    "SplitForwardAllGatherBackward",
     "CommRecord",
     "check_same_sequence_split",
     "copy_to_tensor_parallel",

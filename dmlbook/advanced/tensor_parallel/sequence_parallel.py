@@ -77,7 +77,6 @@ __all__ = [
     "ScatterSequence",
     "SequenceParallel",
     "SequenceParallelMLP",
-    "SequenceParallelSelfAttention",
     "activation_bytes_per_rank",
     "gather_from_sequence_parallel",
     "measure_block_activations",

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from dmlbook.data_parallel.checkpoint.files import (
     FORMAT,
-    Checkpoint,
     Progress,
     atomic_save,
     checkpoint_path,
@@ -55,7 +54,6 @@ from dmlbook.data_parallel.checkpoint.resumable import (
     ResumableConfig,
     SimulateCrash,
     SimulatedCrash,
-    TrainingRun,
     progress_after,
     train_resumable,
 )
@@ -68,8 +66,6 @@ __all__ = [
     "FORMAT",
     "ResumableConfig",
     "Progress",
-    "Checkpoint",
-    "TrainingRun",
     "SimulatedCrash",
     "SimulateCrash",
     "Checkpointing",

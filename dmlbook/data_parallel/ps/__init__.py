@@ -73,7 +73,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmlbook.runtime import gloo_thread
 from dmlbook.data_parallel.ps.consistency import (
     Asynchronous,
     BoundedStaleness,
@@ -178,8 +177,6 @@ def train_parameter_server(
         raise ValueError(f"the {sum(sizes)} parameters leave a server empty with servers={servers}")
     # Parameter-server traffic is CPU tensors over gloo, also when the default backend is NCCL.
     comm = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    if comm is not None:
-        gloo_thread.follow_env()  # that group's transport thread, as DMLBOOK_GLOO_LOOP says
     cluster = Cluster(servers=servers, workers=workers, ranges=ranges, comm=comm)
     if rank < servers:
         return run_server(model, rank, lr, consistency, members, cluster)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["StudentRun", "distillation_loss", "soft_target_loss", "train_student"]
+__all__ = ["distillation_loss", "soft_target_loss", "train_student"]
 
 
 def soft_target_loss(

@@ -29,7 +29,6 @@ from dmlbook.model_parallel.efficiency.layers import as_layers, layer_loss, run_
 from dmlbook.model_parallel.recompute import SavedTensorMeter
 
 __all__ = [
-    "FreezingCost",
     "forward_frozen_prefix",
     "freeze",
     "freeze_first",

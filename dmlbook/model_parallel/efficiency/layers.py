@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from dmlbook.models import MLP, CharGPT
 
-__all__ = ["GPTEmbedding", "GPTHead", "as_layers", "layer_loss", "run_layers"]
+__all__ = ["as_layers", "layer_loss", "run_layers"]
 
 
 class GPTEmbedding(nn.Module):

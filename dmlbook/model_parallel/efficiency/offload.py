@@ -36,15 +36,7 @@ from torch.func import functional_call
 
 from dmlbook.optim import adam_update_
 
-__all__ = [
-    "OffloadedAdam",
-    "Span",
-    "StreamedModel",
-    "TensorFile",
-    "adam_update_",
-    "fsdp2_offload_train",
-    "ideal_timeline",
-]
+__all__ = ["OffloadedAdam", "StreamedModel", "TensorFile", "fsdp2_offload_train", "ideal_timeline"]
 
 ALIGN = 64  # every tensor starts at a multiple of 64 bytes: any dtype can view it in place
 

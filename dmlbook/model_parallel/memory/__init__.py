@@ -40,7 +40,6 @@ from dmlbook.model_parallel.memory.device_cap import (
     onednn_disabled,
 )
 from dmlbook.model_parallel.memory.estimate import (
-    LayerMemory,
     MemoryEstimate,
     block_saved_terms,
     estimate,
@@ -98,7 +97,6 @@ __all__ = [
     "GPT2_XL",
     "GPU",
     "GPUS",
-    "LayerMemory",
     "MemoryEstimate",
     "MemoryMeasurement",
     "OPTIMIZERS",

@@ -26,7 +26,7 @@ from dmlbook.model_parallel.recompute import (
     cuda_peak_bytes,
     layer_chain,
 )
-from dmlbook.models import CharGPT
+from dmlbook.models import CharGPT, next_token_loss
 
 # ---- Measuring a real step ----------------------------------------------------------------------
 
@@ -309,7 +309,7 @@ def measure_stage(
     def forward_backward() -> None:
         result = stage.train_step(
             idx if rank == 0 else None, targets if last else None,
-            pipeline.next_token_loss if last else None, microbatches=1, schedule="vanilla",
+            next_token_loss if last else None, microbatches=1, schedule="vanilla",
         )  # fmt: skip
         timeline[:] = result.timeline  # the last (measured) step's forward and backward
 
