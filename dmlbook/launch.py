@@ -41,11 +41,10 @@ and 9), :class:`Ranks` (:mod:`dmlbook.runtime.session`) keeps them and their nam
 is closed; ``%load_ext dmlbook`` puts it behind ``%ranks`` and ``%%ranks``. Both start, watch and
 stop ranks through :mod:`dmlbook.runtime.rank_group`.
 
-This module is the runtime's public face: the machinery lives in :mod:`dmlbook.runtime`, and
-:func:`device` (the rank's device) in :mod:`dmlbook.comm.groups`, beside ``group_rank_size``.
+This module is the runtime's public face: the machinery lives in :mod:`dmlbook.runtime`. A rank's
+device is :func:`dmlbook.comm.groups.device`, beside ``group_rank_size``.
 """
 
-from dmlbook.comm.groups import device
 from dmlbook.runtime.errors import (
     BACKENDS,
     EXIT_GRACE_S,
@@ -63,7 +62,6 @@ __all__ = [
     "run",
     "set_helper_idle_timeout",
     "Ranks",
-    "device",
     "exit_now",
     "free_port",
     "threads_per_rank",

@@ -15,7 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dmlbook.launch import device, exit_now, run
+from dmlbook.comm.groups import device
+from dmlbook.launch import exit_now, run
 
 
 def whoami() -> tuple[int, int, int]:

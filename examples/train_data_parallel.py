@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
 from dmlbook import models
+from dmlbook.comm.groups import device
 from dmlbook.data_parallel.job import join_job
 from dmlbook.datasets import load_digits
-from dmlbook.launch import device, exit_now, free_port, run
+from dmlbook.launch import exit_now, free_port, run
 
 SETTINGS = dict(global_batch=64, lr=0.1, epochs=2, seed=0)
 

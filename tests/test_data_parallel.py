@@ -147,7 +147,7 @@ def test_lr_schedule_is_applied_per_step():
 
 
 def train_on_device():
-    from dmlbook.launch import device
+    from dmlbook.comm.groups import device
 
     x, y = _data()
     model = _model().to(device())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from processes import alive as _alive
 
 from dmlbook import launch
+from dmlbook.comm.groups import device
 from dmlbook.launch import RankError, RankTimeoutError, run
 from dmlbook.runtime import failures, rank_group, zygote
 from dmlbook.runtime import launch as runtime_launch
@@ -58,7 +59,7 @@ def report(offset):
         world=dist.get_world_size(),
         total=t.item(),
         threads=torch.get_num_threads(),
-        device=str(launch.device()),
+        device=str(device()),
         local_rank=int(os.environ["LOCAL_RANK"]),
         backend=dist.get_backend(),
     )
@@ -497,7 +498,7 @@ def test_torchrun_standalone_runs_the_same_function(tmp_path):
 
 
 def report_on_device():
-    t = torch.ones(1, device=launch.device())
+    t = torch.ones(1, device=device())
     dist.all_reduce(t)
     return dict(
         rank=dist.get_rank(), backend=dist.get_backend(), device=str(t.device), total=t.item()

@@ -324,7 +324,7 @@ def test_nccl_ranks_keep_their_tensors_on_their_gpus():
     world_size = torch.cuda.device_count()
     with Ranks(world_size, timeout=120) as session:
         assert session.backend == "nccl"
-        session.exec("from dmlbook.launch import device\nt = torch.ones(1, device=device())")
+        session.exec("from dmlbook.comm.groups import device\nt = torch.ones(1, device=device())")
         session.exec("dist.all_reduce(t)")  # a cell later, on the tensor an earlier one put there
         assert session.exec("str(t.device), t.item()") == [
             (f"cuda:{r}", float(world_size)) for r in range(world_size)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from dmlbook.bench.common import write_json
 from dmlbook.comm import collectives
-from dmlbook.comm.groups import balanced_blocks
-from dmlbook.launch import device, run
+from dmlbook.comm.groups import balanced_blocks, device
+from dmlbook.launch import run
 from dmlbook.runtime import gloo_thread
 
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6}

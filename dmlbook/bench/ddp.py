@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from dmlbook import data_parallel as dp
 from dmlbook.bench.common import load_average, write_json
-from dmlbook.launch import device, run
+from dmlbook.comm.groups import device
+from dmlbook.launch import run
 from dmlbook.models import char_gpt, mlp
 
 # name -> (what it is, model factory, batch factory (rank seeds it), loss)

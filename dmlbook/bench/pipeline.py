@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from dmlbook.bench.common import load_average, write_json
+from dmlbook.comm.groups import device
 from dmlbook.cpu_wait import cpu_wait_in_burst
-from dmlbook.launch import device, run
+from dmlbook.launch import run
 from dmlbook.models import mlp
 
 

@@ -224,4 +224,4 @@ def build(
     return built
 
 
-__all__ = ["Built", "SiteError", "build", "chapter_paths", "heading_id", "modules", "repository"]
+__all__ = ["SiteError", "build", "chapter_paths", "heading_id", "modules", "repository"]

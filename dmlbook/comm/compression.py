@@ -54,7 +54,6 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "TcpCount",
-    "tcp_sent",
     "WireMeter",
     "SCHEMES",
 ]

@@ -17,8 +17,7 @@ one function each, with ``rank`` and ``world_size`` keyword-only so that they ca
 
 :func:`group_rank_size` and :func:`barrier` also work outside a process group, as the one rank of
 a world of one, so that the same rank function runs in a single process; :func:`device` is the
-rank's device (every chapter's rank functions put their tensors there; also
-``dmlbook.launch.device``).
+rank's device (every chapter's rank functions put their tensors there).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ __all__ = [
     "RankError",
     "RankTimeoutError",
     "RanksClosedError",
+    "START_TIMEOUT_S",
     "timeout_error",
 ]
 
@@ -31,6 +32,9 @@ FAILURE_GRACE_S = 0.3
 # Set in every rank that run() starts, so that a nested run() is refused rather than mistaken for
 # torchrun (the ranks also carry RANK and WORLD_SIZE).
 INSIDE_RUN = "DMLBOOK_INSIDE_RUN"
+# How long starting may take: the warm helper importing torch (10 s has been seen on a loaded
+# 2-core machine), a rank's fork, and a session's ranks meeting at the rendezvous.
+START_TIMEOUT_S = 120.0
 
 
 class RankError(RuntimeError):

@@ -70,7 +70,6 @@ import time
 __all__ = [
     "DEFAULT_POLICY",
     "ENV",
-    "LOOP_THREAD",
     "POLICIES",
     "current_policy",
     "follow_env",

@@ -27,7 +27,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from dmlbook.runtime.errors import BACKENDS, RankError, RanksClosedError, RankTimeoutError
 from dmlbook.runtime.session import Ranks
 
-__all__ = ["RanksMagics", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["RanksMagics"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,14 +135,3 @@ class RanksMagics(Magics):
         if self.session is None:
             raise UsageError("no ranks: start them with %ranks start N")
         return self.session
-
-
-def load_ipython_extension(ipython) -> None:
-    ipython.register_magics(RanksMagics)
-
-
-def unload_ipython_extension(ipython) -> None:
-    magics = ipython.magics_manager.registry.get("RanksMagics")
-    if magics is not None and magics.session is not None:
-        magics.session.close()
-        magics.session = None

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from dmlbook.runtime import gloo_thread, private_net, protocol, zygote
-from dmlbook.runtime.errors import INSIDE_RUN, RankError
+from dmlbook.runtime.errors import INSIDE_RUN, START_TIMEOUT_S, RankError
 from dmlbook.runtime.failures import classify_failure, readable_dump
 from dmlbook.runtime.owners import Owner
 
@@ -174,7 +174,7 @@ class RankGroup:
                     )
             finally:
                 theirs.close()  # the maker holds the only other end: end of file if it dies
-            net = private_net.receive(mine, zygote.START_TIMEOUT_S)
+            net = private_net.receive(mine, START_TIMEOUT_S)
             if maker is not None:
                 maker.wait()  # it exits once it has answered
             return net

@@ -46,6 +46,7 @@ from dmlbook.runtime import errors, shipping
 from dmlbook.runtime.errors import (
     BACKENDS,
     INSIDE_RUN,
+    START_TIMEOUT_S,
     RankError,
     RanksClosedError,
     RankTimeoutError,
@@ -55,9 +56,8 @@ from dmlbook.runtime.failures import classify_failure, first_failure
 from dmlbook.runtime.protocol import START
 from dmlbook.runtime.rank_group import RankGroup, resolve_backend
 
-__all__ = ["Ranks", "RankStatus", "RanksClosedError"]
+__all__ = ["Ranks"]
 
-START_TIMEOUT_S = 120.0  # start-up and rendezvous (a loaded 2-core machine is slow)
 INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks may take to answer
 STREAM_AFTER_S = 1.0  # a request's output is shown rank by rank; after this long, as it comes
 RESTART = "`%ranks restart` (or Ranks.restart()) starts new ones"

@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 from dmlbook.runtime import private_net
+from dmlbook.runtime.errors import START_TIMEOUT_S
 from dmlbook.runtime.protocol import PASSED_FDS
 
 # Imported before the helper says it is ready (every rank needs them) ...
@@ -63,7 +64,6 @@ WARM_LATER = (
     "torch.distributed.checkpoint",
     "torch.distributed.pipelining",
 )
-START_TIMEOUT_S = 120.0  # importing torch on a loaded 2-core machine has taken 10 s
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 5  # stdout, stderr, the rank's channel, the run's user and network namespaces
 IDLE_EXIT_S = 300.0  # how long the helper stays without ranks (configurable, see idle_exit_s)
@@ -73,7 +73,7 @@ IDLE_ENV = "DMLBOOK_HELPER_IDLE_S"
 # --------------------------------------------------------------------------- the helper's side
 
 
-def serve(fd: int, makers_fd: int) -> None:
+def serve_forks(fd: int, makers_fd: int) -> None:
     """The helper's main loop: fork a rank per request, report each exit, stop with the caller.
     First, while it is small, it forks the process that makes each run's network namespace
     (:func:`dmlbook.runtime.private_net.serve_makers`; the caller holds the other end of
@@ -246,8 +246,8 @@ class Zygote:
                 sys.executable,
                 "-u",
                 "-c",
-                "from dmlbook.runtime.zygote import serve; "
-                f"serve({theirs.fileno()}, {makers_theirs.fileno()})",
+                "from dmlbook.runtime.zygote import serve_forks; "
+                f"serve_forks({theirs.fileno()}, {makers_theirs.fileno()})",
             ],
             pass_fds=[theirs.fileno(), makers_theirs.fileno()],
             env=env,

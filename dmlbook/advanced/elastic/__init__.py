@@ -56,7 +56,6 @@ from dmlbook.advanced.elastic.agents import (
 from dmlbook.advanced.elastic.serving import (
     Autoscaler,
     FixedPool,
-    ServingReport,
     request_schedule,
     serve_elastic,
     serve_side_by_side,
@@ -84,7 +83,6 @@ __all__ = [
     "ElasticConfig",
     "FixedPool",
     "ResumePoint",
-    "ServingReport",
     "Timeline",
     "elastic_batches",
     "epoch_order",

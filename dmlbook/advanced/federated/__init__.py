@@ -27,7 +27,7 @@ masks, so a secure run ends bit-identical to a plain one. The integers hold sums
 size, far beyond any sum of weighted updates here. (Not covered: clients that drop out
 mid-round, which the full protocol handles with secret-shared seeds.)
 
-Tensors live on ``launch.device()``: the CPU under gloo, each rank's GPU under NCCL.
+Tensors live on ``dmlbook.comm.groups.device()``: the CPU under gloo, each rank's GPU under NCCL.
 
 The splits: :func:`iid_split` deals a shuffled dataset out evenly; :func:`dirichlet_split` draws
 each class's share per client from Dirichlet(alpha): large alpha is close to IID, small alpha
