@@ -27,7 +27,7 @@ TORCH ?=
 CHP := jupyterhub/node_modules/.bin/configurable-http-proxy
 HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 
-.PHONY: install lab test test-unit test-notebooks test-latest lock bench lint format clean \
+.PHONY: install lab test test-unit test-notebooks test-system test-latest lock bench lint format clean \
 	copy-exercises grade site gpu-check jupyterhub-proxy
 
 # The README's set-up command. `uv pip sync` makes the venv exactly the lock (and removes what the
@@ -35,7 +35,8 @@ HUB_PROXY := $(if $(shell command -v npm 2>/dev/null),$(CHP))
 # --compile-bytecode writes every package's .pyc once, at install: uv does not by default, and
 # where PYTHONDONTWRITEBYTECODE is set (as on CI here) every process would compile torch's Python
 # again on import (3.1 s against 1.9 s for `import torch` here), every kernel and rank alike.
-# BYTECODE= (empty) leaves it to the first import (the newcomer test does, tests/test_install.py).
+# BYTECODE= (empty) leaves it to the first import (the newcomer test does,
+# tests/system/test_install.py).
 BYTECODE ?= --compile-bytecode
 $(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,11 +78,17 @@ test: $(STAMP)
 	-$(if $(HUB_PROXY),$(MAKE) --no-print-directory jupyterhub-proxy)
 	$(call run_tests,$(PY))
 
+# Parts of it, by the folders of tests/: the package's modules, the chapters (their notebooks
+# under nbval and the tests of their text and exercises), the whole system (install, hub,
+# browser, concurrency, site).
 test-unit: $(STAMP)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 test-notebooks: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+	MPLBACKEND=Agg $(PY) -m pytest chapters tests/chapters --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+test-system: $(STAMP)
+	$(PY) -m pytest tests/system $(PYTEST_ARGS)
 
 # Drift before users meet it: a separate environment with the newest release of everything that
 # pyproject.toml allows (not the lock), built afresh each time, and the whole suite in it. torch

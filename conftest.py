@@ -39,8 +39,10 @@ import time
 
 import pytest
 
-# Each notebook nbval runs is kept with its outputs and plots for the site (tests/nbrecord.py).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+# The tests' helpers (tests/support/) are imported by bare name; one of them keeps each
+# notebook nbval runs with its outputs and plots for the site (tests/support/nbrecord.py).
+_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "support")
+sys.path.insert(0, _SUPPORT)
 pytest_plugins = ["nbrecord"]
 
 # Spins, and every ~10 ms checks that the process that started it is still its parent: when

@@ -2,7 +2,7 @@
 
 The package follows the book's sections; every module's docstring names the chapter that
 teaches it. Its top level is three groups; no teaching module imports machinery
-(``tests/test_layers.py``).
+(``tests/unit/test_layers.py``).
 
 Teaching (the book's algorithms, read beside the chapters):
 

@@ -1,8 +1,8 @@
 """Executed chapters, kept once: the outputs and plots the site shows (issue 37).
 
 The notebooks are stored without outputs. The test suite runs every chapter anyway, so each run
-keeps what it produced (``tests/nbrecord.py`` for nbval's runs and the other places a chapter
-runs) in a cache, and the site (``dmlbook.book.static_site``) takes the chapters from there,
+keeps what it produced (``tests/support/nbrecord.py`` for nbval's runs and the other places a
+chapter runs) in a cache, and the site (``dmlbook.book.static_site``) takes the chapters from there,
 running only those the cache lacks. An entry is keyed by the notebook's cells, by the package's
 code and data (the chapters call it; the scripts they start and the digits live in it) and by
 the installed torch: an edit to any of them makes a new key, and an entry never goes stale.

@@ -30,7 +30,7 @@ from dmlbook.book import executed
 
 # The API reference's sections: each package, the modules under it (public ones: no part of the
 # dotted name starts with "_"), in this order, under the package's three groups (the part of a
-# title before ":"; tests/test_layers.py checks that they name every top-level module once).
+# title before ":"; tests/unit/test_layers.py checks that they name every top-level module once).
 API_SECTIONS = {
     "Teaching: communication (chapters 2, 4, 13)": ["dmlbook.comm"],
     "Teaching: data parallelism (chapters 1-4)": ["dmlbook.data_parallel"],

@@ -20,8 +20,8 @@ paths; while the learner's code runs (inside :func:`learner_code`, and on every 
 :func:`run_answer`), each of them is switched off: wherever a module, the learner's globals or a
 class holds it, it is replaced by a stand-in that raises :class:`SwitchedOff`, so an answer that
 only calls the library is told to write the mechanism instead. The checker's own reference runs
-outside those blocks, with the library intact. ``tests/test_exercise_back_doors.py`` runs a
-delegating answer against every exercise, and the spoiler test reads ``writes`` to find a cell
+outside those blocks, with the library intact. ``tests/chapters/exercises/test_back_doors.py`` runs
+a delegating answer against every exercise, and the spoiler test reads ``writes`` to find a cell
 that calls an answer before its exercise.
 
 Every checker returns a :class:`CheckResult`, and a failure carries one in ``.result``::

@@ -24,7 +24,7 @@ Then for any ``nn.Module`` (the pipeline executor's stages,
 
 B + W equal one ``backward()`` as long as every use of a parameter lies inside the forward of the
 module that owns it (no weights tied across modules), which :func:`weight_outputs` cannot see:
-``tests/test_pipeline_schedules_zero_bubble.py`` checks the equality on the book's models.
+``tests/unit/model_parallel/test_backward_split.py`` checks the equality on the book's models.
 """
 
 from __future__ import annotations

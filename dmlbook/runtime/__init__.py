@@ -1,6 +1,6 @@
 """The runtime: real rank processes for every chapter, behind :mod:`dmlbook.launch`.
 
-Read from the leaves up; every arrow points one way (``tests/test_imports.py`` checks that no
+Read from the leaves up; every arrow points one way (``tests/unit/test_imports.py`` checks that no
 module imports, even inside a function, one that imports it back):
 
 * ``errors``: what a failed launch raises (``RankError``, ``RankTimeoutError``,

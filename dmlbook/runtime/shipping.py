@@ -17,7 +17,7 @@ rely on it:
   its own ``linecache`` before it runs anything.
 
 Used by :mod:`dmlbook.launch` for every chapter; tested under the oldest and newest cloudpickle
-the package allows (``tests/test_shipping.py``).
+the package allows (``tests/unit/runtime/test_shipping.py``).
 """
 
 from __future__ import annotations

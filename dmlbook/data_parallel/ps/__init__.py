@@ -25,7 +25,8 @@ worker. ``train_parameter_server`` takes the consistency model as an object
 
 * ``Synchronous()`` (bulk-synchronous, the default): bound 0, and the server applies the W
   gradients of a step together, once all have arrived. This is synchronous SGD on the global
-  batch: it equals single-process SGD and torch's DDP (asserted in tests/test_ps.py);
+  batch: it equals single-process SGD and torch's DDP (asserted in
+  tests/unit/data_parallel/test_ps.py);
 * ``BoundedStaleness(k)`` (stale synchronous parallel): bound k. A worker at clock c may not run
   ahead of the slowest worker by more than k; each gradient is applied as it arrives.
   ``BoundedStaleness(0)`` is a barrier per step, yet a worker may already see some of the current

@@ -1,0 +1,1 @@
+"""The chapters as files: commands, terms, static checks; exercises/ for checkers."""

@@ -1,0 +1,1 @@
+"""Each chapter's exercise checkers (dmlbook.exercises), and back doors."""

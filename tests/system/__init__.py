@@ -1,0 +1,1 @@
+"""Whole-system runs: installs, the hub, a browser, concurrency, load, the site."""

@@ -1,0 +1,1 @@
+"""Unit tests of dmlbook's modules, one folder per package."""

@@ -1,0 +1,1 @@
+"""Tests of dmlbook.runtime and its face, dmlbook.launch."""
