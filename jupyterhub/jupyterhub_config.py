@@ -9,7 +9,7 @@ database and cookie secret are written to the working folder)::
     /opt/dmlbook/.venv/bin/jupyterhub -f /opt/dmlbook/jupyterhub/jupyterhub_config.py
 
 The tests load this file and override only what a test must (sign-in, spawner, ports, folders):
-tests/test_hub.py.
+tests/system/test_hub.py.
 """
 
 import sys
