@@ -2,8 +2,9 @@
 
 A pipeline overlaps its stages only when each stage has a core of its own, which a shared machine
 (a laptop, a CI runner) does not always give; a timing then says more about the other work on the
-machine than about the algorithm. Linux counts, for every thread, the time it was ready to run but
-waited for a CPU (the run-queue delay in /proc/<pid>/task/*/schedstat), so a notebook can tell:
+machine than about the algorithm. Linux counts, for every thread, the time it was ready to run
+but waited for a CPU (the run-queue delay in ``/proc/<pid>/task/*/schedstat``), so a notebook
+can tell:
 
 - :func:`scheduler_clock` is the seconds given threads have run and waited so far, and
   :func:`cpu_wait_s` the seconds this process has waited. Chapter 7's training and
