@@ -11,11 +11,15 @@
    :class:`dmlbook.model_parallel.pipeline.PipelineStage` (equal micro-batches only) is wrong:
    each micro-batch's mean loss counts for its share of the rows.
 3. ``check_input_gradient`` and 4. ``check_weight_gradient`` (beyond the book, zero-bubble
-   schedules): the two halves of a linear layer's backward, ``input_gradient(grad_y, weight) ->
-   grad_x`` (B, which the previous stage waits for) and ``weight_gradient(x, grad_y) ->
-   (grad_weight, grad_bias)`` (W, which can wait), each checked against autograd's one backward
-   in float64 with autograd switched off (:mod:`dmlbook.model_parallel.backward_split` holds the
-   library's split).
+   schedules): a block ``Linear -> tanh -> Linear`` written as a class, ``block_class(w1, b1, w2,
+   b2)``, whose backward is split as a pipeline stage's is. Exercise 3: ``forward(x)``, which
+   keeps what the backward will need, and ``input_gradient(grad_y) -> grad_x`` (B, which the
+   previous stage waits for), computing no weight gradient; exercise 4, a subclass adding
+   ``weight_gradient() -> {"w1", "b1", "w2", "b2"}`` (W, which can wait), from what the forward
+   and B kept. Each is checked against autograd's one backward in float64 with autograd, the
+   library's split and every aten backward op switched off; matrix products are counted, so that
+   a B that also computes weight gradients, or a W that redoes B's products, is named
+   (:mod:`dmlbook.model_parallel.backward_split` holds the library's split).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dmlbook.exercises import ExerciseFailed, checker, learner_code
+from dmlbook.exercises import ExerciseFailed, SwitchedOff, checker, learner_code
 from dmlbook.model_parallel import pipeline as pp
 from dmlbook.model_parallel import schedules
 
@@ -356,13 +361,16 @@ def check_microbatch_gradients(fn: Callable[..., float]) -> str:
     return "the whole batch's gradients and mean loss from 1, 3 and 4 micro-batches, equal or not"
 
 
-# --------------------------------------------------------------------------- 3. the B/W split
+# ------------------------------------------------------------------------ 3-4. B and W of a block
 
-# What does the job the learner writes: the split itself, and every autograd way to a gradient
-# (a layer's forward and a backward, a vector-Jacobian product, a Jacobian).
+# What does the job the learner writes: the library's split, every autograd way to a gradient (a
+# backward, a vector-Jacobian product, a Jacobian) and, through :class:`_LibraryBackwardOff`,
+# every aten backward op (``torch.ops.aten.linear_backward``, ``tanh_backward``, ...).
 _SPLIT_WRITES = (
     "dmlbook.model_parallel.backward_split.linear_input_gradient",
     "dmlbook.model_parallel.backward_split.linear_weight_gradient",
+    "dmlbook.model_parallel.backward_split.input_gradient",
+    "dmlbook.model_parallel.backward_split.weight_gradient",
     "torch.autograd.grad",
     "torch.autograd.backward",
     "torch.Tensor.backward",
@@ -372,166 +380,326 @@ _SPLIT_WRITES = (
     "torch.func.jacfwd",
 )
 
-# (what the case is, leading dims of x, in_features, out_features): a square weight first, where a
-# transposed product still has the right shape, then rows of sequences, one row, and more dims
-_SPLIT_CASES = [
-    ("5 rows into Linear(4, 4)", (5,), 4, 4),
-    ("5 rows into Linear(4, 6)", (5,), 4, 6),
-    ("x of shape (5, 3, 4) (5 sequences of 3 tokens) into Linear(4, 6)", (5, 3), 4, 6),
-    ("1 row into Linear(3, 2)", (1,), 3, 2),
-    ("x of shape (2, 3, 2, 5) into Linear(5, 3)", (2, 3, 2), 5, 3),
+# (what the case is, leading dims of x, in, hidden, out): all-square first, where a transposed
+# product still has the right shape, then rows, rows of sequences and one row
+_BLOCK_CASES = [
+    ("5 rows through 4 -> 4 -> 4 features", (5,), 4, 4, 4),
+    ("5 rows through 4 -> 6 -> 3 features", (5,), 4, 6, 3),
+    ("x of shape (5, 3, 4) (5 sequences of 3 tokens) through 4 -> 6 -> 3", (5, 3), 4, 6, 3),
+    ("1 row through 3 -> 5 -> 2 features", (1,), 3, 5, 2),
 ]
+_NAMES = ("w1", "b1", "w2", "b2")
+
+# The matrix products an aten op runs, as multiply-adds: (op name, where its two factors are)
+_PRODUCTS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "mv": (0, 1),
+             "addmv": (1, 2), "dot": (0, 1), "vdot": (0, 1)}  # fmt: skip
 
 
-def _split_case(leading: tuple[int, ...], fan_in: int, fan_out: int, seed: int):
-    """x, W, b and grad_y in float64, and what autograd's one backward of y = x W^T + b gives."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*leading, fan_in, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(fan_out, fan_in, dtype=torch.float64, generator=g, requires_grad=True)
-    bias = torch.randn(fan_out, dtype=torch.float64, generator=g, requires_grad=True)
-    grad_y = torch.randn(*leading, fan_out, dtype=torch.float64, generator=g)
-    y = nn.functional.linear(x, weight, bias)
-    want = torch.autograd.grad(y, (x, weight, bias), grad_y)  # the checker's reference
-    return x.detach(), weight.detach(), grad_y, want
+def _multiply_adds(name: str, args: tuple) -> int:
+    if name not in _PRODUCTS:
+        return 0
+    i, j = _PRODUCTS[name]
+    a, b = args[i], args[j]
+    return a.numel() * (b.shape[-1] if b.dim() > 1 else 1)
 
 
-def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+class _LibraryBackwardOff(TorchDispatchMode):
+    """While the learner's code runs: every aten op named ``*_backward*`` (a library backward,
+    however it is reached: ``torch.ops.aten.linear_backward``, ``torch.ops.aten.tanh_backward``,
+    ...) raises :class:`SwitchedOff`, and the multiply-adds of matrix products are counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.multiply_adds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if "_backward" in name:
+            raise SwitchedOff(
+                f"torch.ops.aten.{name} is switched off in this exercise: it is a library "
+                "backward, which does the very job you are asked to write (on CPU some have no "
+                "kernel at all). Write the mechanism yourself, with matrix products"
+            )
+        self.multiply_adds += _multiply_adds(name, args)
+        return func(*args, **(kwargs or {}))
 
 
-def _call_split(fn: Callable, args: tuple, what: str, shape_hint: str) -> object:
-    """Run the learner's ``fn(*args)``; an error that is not "not attempted" or "called the
-    library" fails with ``shape_hint``, the likely cause on this case."""
+@contextmanager
+def _your(what: str) -> Iterator[_LibraryBackwardOff]:
+    """:func:`learner_code` with the library's backwards switched off and the products counted.
+    A NotImplementedError with a message came from inside torch, not from the unfilled stub."""
     try:
-        with learner_code(what):
-            return fn(*(a.clone() for a in args))
-    except ExerciseFailed as failure:
-        if "called the library instead" in str(failure):
-            raise
-        raise ExerciseFailed(f"{failure}. {shape_hint}") from failure.__cause__
+        with learner_code(what), _LibraryBackwardOff() as mode:
+            yield mode
+    except NotImplementedError as error:
+        if not str(error):
+            raise  # the stub's bare `raise NotImplementedError`: not attempted
+        raise ExerciseFailed(
+            f"{what} raised NotImplementedError from inside torch ({str(error)[:120]}...): a "
+            "library op is not the exercise; write the mechanism with matrix products"
+        ) from error
 
 
-def _check_input_gradient(fn: Callable, case: str, weight, grad_y, want_x, fan_in, fan_out):
-    got = _call_split(
-        fn,
-        (grad_y, weight),
-        f"your input_gradient on {case}",
-        f"Shapes: weight is (out_features, in_features) = ({fan_out}, {fan_in}), grad_y is "
-        f"(..., out_features) and grad_x must be (..., in_features), the shape of x: which "
-        "dimension does your product sum over?",
+def _block_case(seed: int, leading: tuple[int, ...], fan_in: int, hidden: int, fan_out: int):
+    """The block's parameters, x, grad_y and what autograd's one backward gives, in float64:
+    (params, x, grad_y, reference) with reference holding y, h, a, grad_a, grad_h, grad_x and
+    the four parameters' gradients."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, generator=g)
+
+    params = {"w1": rand(hidden, fan_in), "b1": rand(hidden), "w2": rand(fan_out, hidden),
+              "b2": rand(fan_out)}  # fmt: skip
+    x, grad_y = rand(*leading, fan_in), rand(*leading, fan_out)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    xr = x.clone().requires_grad_()
+    h = nn.functional.linear(xr, leaves["w1"], leaves["b1"])
+    h.retain_grad()
+    a = torch.tanh(h)
+    a.retain_grad()
+    y = nn.functional.linear(a, leaves["w2"], leaves["b2"])
+    y.backward(grad_y)  # the checker's reference: autograd's one backward of the whole block
+    reference = {"y": y.detach(), "h": h.detach(), "a": a.detach(), "grad_a": a.grad,
+                 "grad_h": h.grad, "grad_x": xr.grad, "grad_y": grad_y}  # fmt: skip
+    reference |= {k: v.grad for k, v in leaves.items()}
+    return params, x, grad_y, reference
+
+
+def _same(got: object, want: torch.Tensor) -> bool:
+    return (
+        isinstance(got, torch.Tensor)
+        and got.shape == want.shape
+        and torch.allclose(got, want, rtol=1e-10, atol=1e-12)
     )
-    if not isinstance(got, torch.Tensor):
-        raise ExerciseFailed(f"on {case}: return grad_x as a tensor, got {type(got).__name__}")
-    if got.shape != want_x.shape:
-        raise ExerciseFailed(
-            f"on {case}: grad_x must have x's shape {tuple(want_x.shape)} (one gradient per "
-            f"input number), got {tuple(got.shape)}"
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _tensors_in(value: object, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor a block keeps: its attributes, and what dicts, lists and tuples hold."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+
+
+def _b_did_w(block: object, params: dict, ref: dict, extra: int, case: str) -> None:
+    """Fail if B computed a weight gradient: more products than the two that carry the gradient
+    to x, a kept tensor equal to a weight's gradient, or a ``.grad`` written."""
+    kept = list(_tensors_in(dict(vars(block)) if hasattr(block, "__dict__") else {}))
+    found = [k for k in ("w1", "w2") if any(_same(t, ref[k]) for t in kept)]
+    graded = [k for k, p in params.items() if p.grad is not None]
+    if extra > 0 or found or graded:
+        how = (
+            f"it wrote .grad of {', '.join(graded)}"
+            if graded
+            else f"it keeps the gradient of {found[0]}"
+            if found
+            else f"it ran {extra} multiply-adds more than the two products that carry the "
+            "gradient to x"
         )
-    if _same(got, want_x):
-        return
-    if fan_in == fan_out and _same(got, grad_y @ weight.T):
         raise ExerciseFailed(
-            f"on {case}: your grad_x is grad_y times the TRANSPOSED weight. y = x W^T maps "
-            "in_features to out_features; the gradient goes back the other way, from "
-            "out_features to in_features, so W is not transposed on the way back"
+            f"on {case}: your B computed weight gradients too ({how}). That is W's work: B is on "
+            "the critical path (the previous stage waits for grad_x), W is not, and ZB-H1 "
+            "fills its idle slots with W. B keeps what W will need and leaves the weight "
+            "products to W"
         )
-    raise ExerciseFailed(
-        f"on {case}: grad_x differs from autograd's by up to {(got - want_x).abs().max():.3g}: "
-        "each input number x[..., i] reaches every output y[..., j] through W[j, i]"
+
+
+def _run_block_b(fn: Callable, case: str, params: dict, x, grad_y, ref: dict):
+    """The learner's block: built, forward on x, then B on grad_y, each checked. Returns it."""
+    with _your(f"your block on {case}"):
+        block = fn(*(params[k] for k in _NAMES))
+    with _your(f"your forward on {case}"):
+        y = block.forward(x.clone())
+    if not _same(y, ref["y"]):
+        raise ExerciseFailed(
+            f"on {case}: your forward's y differs from the block's y = tanh(x W1^T + b1) W2^T + "
+            "b2" + (f" (shape {tuple(y.shape)}, want {tuple(ref['y'].shape)})"
+                    if isinstance(y, torch.Tensor) else f" (got {type(y).__name__})")
+        )  # fmt: skip
+    with _your(f"your input_gradient (B) on {case}") as mode:
+        grad_x = block.input_gradient(grad_y.clone())
+    rows, want = len(_rows(x)), ref["grad_x"]
+    hidden, fan_in = params["w1"].shape
+    needed = rows * params["w2"].shape[0] * hidden + rows * hidden * fan_in
+    if not isinstance(grad_x, torch.Tensor):
+        raise ExerciseFailed(
+            f"on {case}: B returns grad_x as a tensor, got {type(grad_x).__name__}"
+        )
+    if grad_x.shape != want.shape:
+        raise ExerciseFailed(
+            f"on {case}: grad_x must have x's shape {tuple(want.shape)} (one gradient per input "
+            f"number), got {tuple(grad_x.shape)}: which dimension does each product sum over?"
+        )
+    if not _same(grad_x, want):
+        raise ExerciseFailed(f"on {case}: {_diagnose_b(grad_x, params, grad_y, ref)}")
+    _b_did_w(block, params, ref, mode.multiply_adds - needed, case)
+    return block
+
+
+def _diagnose_b(grad_x, params: dict, grad_y, ref: dict) -> str:
+    """Name the cause of a wrong grad_x: a transposed weight, tanh's derivative missing or taken
+    at the wrong tensor."""
+    w1, w2, h, a = params["w1"], params["w2"], ref["h"], ref["a"]
+    square = w1.shape[0] == w1.shape[1] and w2.shape[0] == w2.shape[1]
+    slips = {
+        "tanh's derivative is missing: between the two layers the gradient passes through tanh, "
+        "which scales each number by tanh'(h)": (grad_y @ w2) @ w1,
+        "tanh's derivative is taken at the wrong tensor: 1 - h^2 uses the pre-activation h, "
+        "but tanh'(h) = 1 - tanh(h)^2 = 1 - a^2": ((grad_y @ w2) * (1 - h**2)) @ w1,
+        "tanh's derivative is tanh'(h) = 1 - a^2, not a or 1 - a": ((grad_y @ w2) * a) @ w1,
+        "it stops at layer 1's output h: the gradient of x goes on back through layer 1, by W1": (
+            grad_y @ w2
+        )
+        * (1 - a**2),
+    }
+    if square:
+        slips |= {
+            "it multiplies by a TRANSPOSED weight. y = a W2^T maps hidden to out features; the "
+            "gradient goes back the other way, so on the way back W2 is not transposed (and "
+            "the same for W1)": ((grad_y @ w2.T) * (1 - a**2)) @ w1,
+            "it multiplies by a TRANSPOSED W1: h = x W1^T maps in to hidden features; the "
+            "gradient goes back the other way, by W1 itself": ((grad_y @ w2) * (1 - a**2)) @ w1.T,
+            "it multiplies by both weights TRANSPOSED: the gradient goes back the other way "
+            "through each layer, so neither is transposed": ((grad_y @ w2.T) * (1 - a**2)) @ w1.T,
+        }
+    why = next((w for w, wrong in slips.items() if _same(grad_x, wrong)), None)
+    if why:
+        return f"your grad_x differs from autograd's: {why}"
+    return (
+        f"your grad_x differs from autograd's by up to {(grad_x - ref['grad_x']).abs().max():.3g}: "
+        "go back through the block one step at a time, layer 2, then tanh, then layer 1"
     )
 
 
-def _check_weight_gradient(fn: Callable, case: str, x, grad_y, want_w, want_b, leading):
-    got = _call_split(
-        fn,
-        (x, grad_y),
-        f"your weight_gradient on {case}",
-        f"x has {len(leading)} leading dim{'s' if len(leading) > 1 else ''} {leading}: every "
-        "row of every sequence is one more row of the batch, and the weight's gradient sums over "
-        "all of them (flatten the leading dims into rows first)",
-    )
-    if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise ExerciseFailed(
-            f"on {case}: return the pair (grad_weight, grad_bias), got "
-            + (
-                f"a tensor of shape {tuple(got.shape)}"
-                if isinstance(got, torch.Tensor)
-                else f"{type(got).__name__}"
-            )  # fmt: skip
-            + ". The bias is a parameter too: W computes its gradient as well"
-        )
-    grad_w, grad_b = got
-    if not (isinstance(grad_w, torch.Tensor) and isinstance(grad_b, torch.Tensor)):
-        raise ExerciseFailed(f"on {case}: return two tensors (grad_weight, grad_bias)")
-    rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-    if not _same(grad_w, want_w):
-        if _same(grad_w, want_w.T) or grad_w.shape == want_w.T.shape != want_w.shape:
-            what = (
-                "is the transpose of the right one"
-                if grad_w.shape == want_w.shape
-                else f"has the shape (in_features, out_features) {tuple(grad_w.shape)}"
+def _diagnose_w(name: str, got: torch.Tensor, ref: dict, x) -> str:
+    """Name the cause of a wrong weight or bias gradient."""
+    want = ref[name]
+    out_grad = _rows(ref["grad_y"] if name in ("w2", "b2") else ref["grad_h"])
+    layer_in = _rows(ref["a"] if name == "w2" else x)
+    layer = "layer 2" if name in ("w2", "b2") else "layer 1"
+    if name.startswith("b"):
+        if got.shape != want.shape and got.shape[-1:] == want.shape:
+            return (
+                f"{name} has the shape {tuple(got.shape)}, not the bias's {tuple(want.shape)}: "
+                "the bias is added to every row, so its gradient sums the output gradient over "
+                "all the rows (a forgotten sum over the batch)"
             )
-            raise ExerciseFailed(
-                f"on {case}: your grad_weight {what}: the gradient of W has W's shape "
-                f"(out_features, in_features) = {tuple(want_w.shape)}, its entry [j, i] pairing "
-                "output j with input i"
+        if _same(got, out_grad.mean(0)):
+            return f"{name} is the MEAN of the output gradient over the rows; the rows add up"
+        if name == "b1" and _same(got, _rows(ref["grad_a"]).sum(0)):
+            return (
+                "b1 sums the gradient at tanh's output a; b1 is added before tanh, at layer 1's "
+                "output h, whose gradient is grad_a * (1 - a^2): keep that one from B"
             )
-        if grad_w.shape != want_w.shape:
-            raise ExerciseFailed(
-                f"on {case}: grad_weight must have the weight's shape {tuple(want_w.shape)}, got "
-                f"{tuple(grad_w.shape)}. x has leading dims {leading}: every row of every "
-                "sequence is one more row of the batch, and W's gradient sums over all of them"
-            )
-        if len(rows_x) > 1 and _same(grad_w, want_w / len(rows_x)):
-            raise ExerciseFailed(
-                f"on {case}: your grad_weight is the MEAN over the {len(rows_x)} rows: the loss "
-                "already averages (grad_y carries that 1/N); the rows' contributions add up"
-            )
-        raise ExerciseFailed(
-            f"on {case}: grad_weight differs from autograd's by up to "
-            f"{(grad_w - want_w).abs().max():.3g}: W[j, i] meets x[..., i] and y[..., j] in "
-            "every row"
-        )
-    if grad_b.shape != want_b.shape:
-        raise ExerciseFailed(
-            f"on {case}: grad_bias must have the bias's shape {tuple(want_b.shape)}, one number "
-            f"per output, got {tuple(grad_b.shape)}: the bias is added to every row, so its "
-            "gradient sums grad_y over all the rows (every leading dim)"
-        )
-    if not _same(grad_b, want_b):
-        if len(rows_g) > 1 and _same(grad_b, rows_g.mean(0)):
-            why = "the MEAN of grad_y over the rows; the bias is added to every row, so sum"
-        elif _same(grad_b, rows_g[-1]) or _same(grad_b, rows_g[0]):
-            why = "one row's grad_y; the bias is added to every row, so sum over all of them"
+        return f"{name} differs from autograd's: sum {layer}'s output gradient over the rows"
+    if got.shape != want.shape:
+        if got.shape == want.T.shape:
+            what = f"has the shape (in, out) {tuple(got.shape)}"
         else:
-            why = "the bias is added to every row: its gradient sums grad_y over all the rows"
-        raise ExerciseFailed(f"on {case}: grad_bias differs from autograd's: {why}")
+            what = f"has the shape {tuple(got.shape)}"
+        return f"{name} {what}, not the weight's {tuple(want.shape)}" + (
+            ": x has leading dims, and every row of every sequence is one more row of the "
+            "batch: flatten the leading dims into rows first, then sum over all of them"
+            if got.dim() > 2
+            else ", its entry [j, i] pairing output j with input i"
+        )
+    rows = len(layer_in)
+    slips = {}
+    if out_grad.shape[1] == layer_in.shape[1]:  # square: a transposed product keeps the shape
+        slips[
+            f"{name} is the transpose of the right one: a weight's gradient has the weight's "
+            "shape (out, in), its entry [j, i] pairing output j with input i"
+        ] = (out_grad.T @ layer_in).T
+    slips[f"{name} is the MEAN over the {rows} rows; the rows add up"] = (
+        out_grad.T @ layer_in
+    ) / rows
+    if name == "w2":
+        slips[
+            "w2 is computed from the pre-activation h; layer 2's input is a = tanh(h), so "
+            "keep a from the forward"
+        ] = out_grad.T @ _rows(ref["h"])
+    else:
+        slips[
+            "w1 is computed from the gradient at tanh's output a; layer 1's output is h, "
+            "before tanh, whose gradient is grad_a * (1 - a^2): keep that one from B"
+        ] = _rows(ref["grad_a"]).T @ layer_in
+        for saved in ("a", "h"):
+            slips[
+                f"w1 is computed from the wrong saved tensor ({saved}): layer 1's input is x "
+                "itself, keep it from the forward"
+            ] = out_grad.T @ _rows(ref[saved])
+    why = next(
+        (w for w, wrong in slips.items() if wrong.shape == want.shape and _same(got, wrong)), None
+    )
+    return why or (
+        f"{name} differs from autograd's by up to {(got - want).abs().max():.3g}: a weight's "
+        f"gradient pairs each row's output gradient with that row's input to {layer}, summed "
+        "over the rows"
+    )
 
 
-_INPUT_WRITES = tuple(n for n in _SPLIT_WRITES if not n.endswith("linear_weight_gradient"))
-_WEIGHT_WRITES = tuple(n for n in _SPLIT_WRITES if not n.endswith("linear_input_gradient"))
+@checker("input_gradient", writes=_SPLIT_WRITES)
+def check_input_gradient(block_class: Callable[..., object]) -> str:
+    """Check ``block_class(w1, b1, w2, b2)``, a block Linear -> tanh -> Linear whose ``forward(x)``
+    keeps what its backward needs and whose ``input_gradient(grad_y)`` is B: ``grad_x`` against
+    autograd's one backward in float64 on four shapes, with autograd and every library backward
+    switched off. A wrong answer is explained (a transposed weight, tanh's derivative missing
+    or taken at h, a wrong shape, and B that computes weight gradients too: more products than
+    the two that reach x, a kept weight gradient or a ``.grad`` written)."""
+    for seed, (case, leading, fan_in, hidden, fan_out) in enumerate(_BLOCK_CASES):
+        params, x, grad_y, ref = _block_case(seed, leading, fan_in, hidden, fan_out)
+        _run_block_b(block_class, case, params, x, grad_y, ref)
+    return (
+        f"B of Linear -> tanh -> Linear equals autograd's input gradient on {len(_BLOCK_CASES)} "
+        "shapes and computes no weight gradient"
+    )
 
 
-@checker("input_gradient", writes=_INPUT_WRITES)
-def check_input_gradient(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> str:
-    """Check ``fn(grad_y, weight) -> grad_x``, B of ``y = x W^T + b``, against autograd's one
-    backward in float64 on a square and a wide weight, rows of sequences, one row and 4-D inputs,
-    with autograd (and the library's split) switched off while it runs. A wrong answer is
-    explained (the weight transposed, a product over the wrong dimension, a wrong shape)."""
-    for seed, (case, leading, fan_in, fan_out) in enumerate(_SPLIT_CASES):
-        _, weight, grad_y, (want_x, _, _) = _split_case(leading, fan_in, fan_out, seed)
-        _check_input_gradient(fn, case, weight, grad_y, want_x, fan_in, fan_out)
-    return f"B of a linear layer equals autograd's on {len(_SPLIT_CASES)} shapes, 1 row to 4-D"
-
-
-@checker("weight_gradient", writes=_WEIGHT_WRITES)
-def check_weight_gradient(fn: Callable[[torch.Tensor, torch.Tensor], tuple]) -> str:
-    """Check ``fn(x, grad_y) -> (grad_weight, grad_bias)``, W of ``y = x W^T + b``, against
-    autograd's one backward in float64 on the same shapes, with autograd (and the library's
-    split) switched off while it runs. A wrong answer is explained (the gradient transposed,
-    leading dims not summed over, a mean instead of a sum, the bias's gradient missing or not
-    summed)."""
-    for seed, (case, leading, fan_in, fan_out) in enumerate(_SPLIT_CASES):
-        x, _, grad_y, (_, want_w, want_b) = _split_case(leading, fan_in, fan_out, seed)
-        _check_weight_gradient(fn, case, x, grad_y, want_w, want_b, leading)
-    return f"W of a linear layer equals autograd's on {len(_SPLIT_CASES)} shapes, 1 row to 4-D"
+@checker("weight_gradient", writes=_SPLIT_WRITES)
+def check_weight_gradient(block_class: Callable[..., object]) -> str:
+    """Check the block of exercise 3 with ``weight_gradient()`` (W) added: after its forward and
+    B, W returns ``{"w1", "b1", "w2", "b2"}`` equal to autograd's weight gradients, from what the
+    forward and B kept, redoing none of B's products. A wrong answer is explained (transposed,
+    from h instead of a, from the gradient at a instead of h, from the wrong saved tensor, a
+    bias not summed over the rows, a mean, leading dims not flattened, B's products redone)."""
+    for seed, (case, leading, fan_in, hidden, fan_out) in enumerate(_BLOCK_CASES):
+        params, x, grad_y, ref = _block_case(seed, leading, fan_in, hidden, fan_out)
+        block = _run_block_b(block_class, case, params, x, grad_y, ref)
+        with _your(f"your weight_gradient (W) on {case}") as mode:
+            grads = block.weight_gradient()
+        if not (isinstance(grads, dict) and set(grads) == set(_NAMES)):
+            raise ExerciseFailed(
+                f"on {case}: W returns a dict with the keys {list(_NAMES)}, got "
+                + (f"the keys {sorted(grads)}" if isinstance(grads, dict) else type(grads).__name__)
+                + ". The biases are parameters too: W computes their gradients as well"
+            )
+        for name in _NAMES:
+            got = grads[name]
+            if not isinstance(got, torch.Tensor):
+                raise ExerciseFailed(
+                    f"on {case}: {name}'s gradient must be a tensor, got {type(got).__name__}"
+                )
+            if not _same(got, ref[name]):
+                raise ExerciseFailed(f"on {case}: {_diagnose_w(name, got, ref, x)}")
+        rows = len(_rows(x))
+        needed = rows * fan_out * hidden + rows * hidden * fan_in
+        if mode.multiply_adds > needed:
+            raise ExerciseFailed(
+                f"on {case}: your W ran {mode.multiply_adds - needed} multiply-adds more than "
+                "the two weight products: it redid a product B had already computed (the "
+                "gradient at layer 1's output, grad_y W2, say). Keep B's result for W instead "
+                "of computing it twice"
+            )
+    return (
+        f"W of Linear -> tanh -> Linear equals autograd's weight gradients on {len(_BLOCK_CASES)} "
+        "shapes, from what the forward and B kept"
+    )

@@ -1,5 +1,5 @@
 """Backward in two halves: the input gradient (B) and the weight gradient (W) (chapter 6,
-section 6.8 and exercises 3-4: beyond the book).
+section 6.8: beyond the book; its exercises 3-4 split a Linear -> tanh -> Linear block).
 
 Zero-bubble pipeline schedules (Qi et al. 2023, :func:`dmlbook.model_parallel.schedules.
 zb_h1_schedule`) rest on one observation: of a layer's backward, only the gradient of its *input*

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import matplotlib.colors as mcolors
 import matplotlib.pyplot as plt
 
 __all__ = [
@@ -95,7 +96,8 @@ def gantt(
     op from its start to its end, F and B in different colours, the micro-batch number inside.
     White space is idle time: the pipeline bubble, measured rather than drawn from a formula.
     Where ops carry a model ``chunk`` (interleaved schedules), the number reads micro-batch.chunk,
-    as :func:`dmlbook.model_parallel.schedules.format_schedule` writes it.
+    as :func:`dmlbook.model_parallel.schedules.format_schedule` writes it, in smaller type (the
+    boxes are 1/v as wide), and a later chunk's boxes are paler, as the legend says.
     The legend names forward and backward always, or with ``legend_present_only`` (serving, which
     has no backward) only the kinds of op drawn.
     """
@@ -105,23 +107,29 @@ def gantt(
     starts = [r.start for timeline in timelines for r in timeline]
     t0 = min(starts, default=0.0)
     span = max((r.end for timeline in timelines for r in timeline), default=t0) - t0
-    chunked = any(getattr(r, "chunk", 0) for timeline in timelines for r in timeline)
+    chunks = 1 + max((getattr(r, "chunk", 0) for t in timelines for r in t), default=0)
 
     def name(r: _Op) -> str:
-        return f"{r.microbatch}.{r.chunk}" if chunked else str(r.microbatch)
+        return f"{r.microbatch}.{r.chunk}" if chunks > 1 else str(r.microbatch)
+
+    inside = 5.5 if chunks > 1 else 7  # the type size of a number inside its box
+
+    def paler(colour: str, chunk: int) -> tuple:  # chunk c of v: c / v of the way to white
+        rgb = mcolors.to_rgb(colour)
+        return tuple(x + (1 - x) * 0.6 * chunk / max(chunks - 1, 1) for x in rgb)
 
     for row, timeline in enumerate(timelines):
         small_at = -float("inf")  # the last number put above a box in this row
         for r in timeline:
             left, width = (r.start - t0) * scale, (r.end - r.start) * scale
-            colour = GANTT_COLOURS.get(r.op, "0.6")
+            colour = paler(GANTT_COLOURS.get(r.op, "0.6"), getattr(r, "chunk", 0))
             ax.barh(row, width, left=left, height=0.8, color=colour, edgecolor="k", lw=0.5)
             # -1: not a micro-batch's op (sync, step); a narrow box gets its number smaller,
             # above the box, unless it would run into the last one; a sliver too thin to point
             # at gets none
             middle = (r.start - t0 + (r.end - r.start) / 2) * scale
             if r.microbatch >= 0 and r.end - r.start >= 0.012 * span:
-                ax.text(middle, row, name(r), ha="center", va="center", fontsize=7)
+                ax.text(middle, row, name(r), ha="center", va="center", fontsize=inside)
             elif (r.microbatch >= 0 and r.end - r.start >= 0.002 * span
                   and middle - small_at >= 0.03 * span * scale):  # fmt: skip
                 ax.text(middle, row - 0.42, name(r), ha="center", va="bottom",
@@ -137,6 +145,9 @@ def gantt(
     ops = [op for op in GANTT_COLOURS if op in present or op in always]
     handles = [plt.Rectangle((0, 0), 1, 1, color=GANTT_COLOURS[op]) for op in ops]
     names = [_GANTT_NAMES[op] for op in ops]
+    for chunk in range(1, chunks):  # the paler boxes: a later model chunk of the stage
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=paler("0.35", chunk)))
+        names.append(f"paler: chunk {chunk}")
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=9)
     return ax

@@ -1,9 +1,11 @@
 """Chapter 6's exercise checkers: right answers pass; planted bugs (GPipe's order, a warm-up one
 too long or too short, no min() for M < P, a B before its F, micro-batches out of turn; micro-batch
 losses not scaled by 1/M, gradients zeroed between micro-batches, the whole batch in one forward,
-one backward of the summed losses, the summed, last or a tensor loss returned; a linear layer's B
-with the weight transposed, its W transposed, not summed over leading dims, averaged, or without
-the bias) are caught with a message that says so, and no order hint prints the expected order; an
+one backward of the summed losses, the summed, last or a tensor loss returned; a Linear -> tanh ->
+Linear block's B with a weight transposed, tanh's derivative missing or taken at h, or computing
+weight gradients too; its W transposed, from h instead of a, from the gradient at a instead of h,
+from x's wrong stand-in, a bias not summed, a mean, leading dims not flattened, B's product
+redone) are caught with a message that says so, and no order hint prints the expected order; an
 answer that calls the library (or autograd) is told to write the mechanism
 (``DELEGATING_ANSWERS``, run by ``test_back_doors.py``)."""
 
@@ -244,15 +246,11 @@ def _grads_from_the_executor(model, loss_fn, inputs, targets, microbatches):
     return stage.train_step(inputs, targets, loss_fn, microbatches).loss
 
 
-def _input_gradient_from_the_library(grad_y, weight):
-    return bs.linear_input_gradient(grad_y, weight)
-
-
-DELEGATING_ANSWERS = {
+DELEGATING_ANSWERS = {  # one per exercise; the split's other back doors are tried below
     "one_f_one_b_order": _order_from_the_library,
     "microbatch_gradients": _grads_from_the_executor,
-    "input_gradient": _input_gradient_from_the_library,
-    "weight_gradient": lambda x, grad_y: bs.linear_weight_gradient(x, grad_y),
+    "input_gradient": lambda *params: BlockByAtenLinearBackward(*params),
+    "weight_gradient": lambda *params: SplitByAtenLinearBackward(*params),
 }
 
 
@@ -290,34 +288,92 @@ def test_the_newer_schedules_are_no_way_round_the_1f1b_order(answer):
     assert pp.SCHEDULES["interleaved"] is pp.interleaved_schedule
 
 
-# ---- 3. the B/W split of one linear layer
-
-
-def input_gradient(grad_y, weight):
-    return grad_y @ weight
+# ---- 3-4. B and W of a block Linear -> tanh -> Linear
 
 
 def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
-def weight_gradient(x, grad_y):
-    return _rows(grad_y).T @ _rows(x), _rows(grad_y).sum(0)
+class Block:  # exercise 3: forward keeps, B computes grad_x only and keeps what W needs
+    def __init__(self, w1, b1, w2, b2):
+        self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2
+
+    def forward(self, x):
+        self.x = x
+        self.h = x @ self.w1.T + self.b1
+        self.a = torch.tanh(self.h)
+        return self.a @ self.w2.T + self.b2
+
+    def input_gradient(self, grad_y):
+        self.grad_y = grad_y
+        self.grad_a = grad_y @ self.w2
+        self.grad_h = self.grad_a * (1 - self.a**2)
+        return self.grad_h @ self.w1
+
+
+class Split(Block):  # exercise 4: W from what the forward and B kept
+    def weight_gradient(self):
+        gy, gh = _rows(self.grad_y), _rows(self.grad_h)
+        return {"w1": gh.T @ _rows(self.x), "b1": gh.sum(0), "w2": gy.T @ _rows(self.a),
+                "b2": gy.sum(0)}  # fmt: skip
 
 
 def test_the_split_passes_the_right_answers():
-    assert ch06.check_input_gradient(input_gradient).status == "passed"
-    assert ch06.check_weight_gradient(weight_gradient).status == "passed"
+    assert ch06.check_input_gradient(Block).status == "passed"
+    assert ch06.check_weight_gradient(Split).status == "passed"
+
+
+def _b(grad_x):  # a block whose B returns grad_x(self, grad_y) after keeping as Block does
+    class Wrong(Block):
+        def input_gradient(self, grad_y):
+            super().input_gradient(grad_y)
+            return grad_x(self, grad_y)
+
+    return Wrong
+
+
+class BComputesW(Split):
+    def input_gradient(self, grad_y):
+        grad_x = super().input_gradient(grad_y)
+        Split.weight_gradient(self)  # W's products, on the critical path (and thrown away)
+        return grad_x
+
+
+class BWritesGrad(Block):
+    def input_gradient(self, grad_y):
+        grad_x = super().input_gradient(grad_y)
+        self.w2.grad = torch.zeros_like(self.w2)
+        return grad_x
+
+
+class BBroadcastsW(Block):  # no matrix product counted, but it keeps a weight gradient
+    def input_gradient(self, grad_y):
+        grad_x = super().input_gradient(grad_y)
+        g, a = _rows(grad_y), _rows(self.a)
+        self.w2_grad = (g[:, :, None] * a[:, None, :]).sum(0)
+        return grad_x
+
+
+class ForwardWrong(Block):
+    def forward(self, x):
+        return super().forward(x) - self.b2
 
 
 @pytest.mark.parametrize(
     "answer, message",
     [
-        (lambda g, wt: g @ wt.T, "grad_x is grad_y times the TRANSPOSED weight"),
-        (lambda g, wt: g, "grad_x differs from autograd's"),
-        (lambda g, wt: (g @ wt)[..., :1], "grad_x must have x's shape"),
-        (lambda g, wt: wt @ g, "raised RuntimeError.*which dimension does your product sum over"),
-        (lambda g, wt: (g @ wt).tolist(), "return grad_x as a tensor"),
+        (_b(lambda s, g: (g @ s.w2.T) * (1 - s.a**2) @ s.w1), "TRANSPOSED weight"),
+        (_b(lambda s, g: ((g @ s.w2) * (1 - s.a**2)) @ s.w1.T), "TRANSPOSED W1"),
+        (_b(lambda s, g: g @ s.w2 @ s.w1), "tanh's derivative is missing"),
+        (_b(lambda s, g: ((g @ s.w2) * (1 - s.h**2)) @ s.w1), "1 - h\\^2 uses the pre-activation"),
+        (_b(lambda s, g: (g @ s.w2) * (1 - s.a**2)), "stops at layer 1's output h"),
+        (_b(lambda s, g: s.grad_h.tolist()), "returns grad_x as a tensor"),
+        (BComputesW, "B computed weight gradients too \\(it ran .* multiply-adds more"),
+        (BWritesGrad, "B computed weight gradients too \\(it wrote .grad of w2"),
+        (BBroadcastsW, "B computed weight gradients too \\(it keeps the gradient of w2"),
+        (ForwardWrong, "your forward's y differs"),
+        (_b(lambda s, g: s.grad_h[..., :1]), "grad_x must have x's shape"),
     ],
 )
 def test_input_gradient_catches_planted_bugs(answer, message):
@@ -325,34 +381,62 @@ def test_input_gradient_catches_planted_bugs(answer, message):
         ch06.check_input_gradient(answer)
 
 
+def _w(**wrong):  # a W that returns the right gradients but for those named in wrong
+    class Wrong(Split):
+        def weight_gradient(self):
+            grads = super().weight_gradient()
+            return grads | {k: f(self) for k, f in wrong.items()}
+
+    return Wrong
+
+
+class WNotFlattened(Block):
+    def weight_gradient(self):
+        gy, gh = self.grad_y, self.grad_h
+        return {"w1": gh.mT @ self.x, "b1": gh.sum(0), "w2": gy.mT @ self.a, "b2": gy.sum(0)}
+
+
+class WRedoesB(Split):
+    def weight_gradient(self):
+        self.grad_h = (self.grad_y @ self.w2) * (1 - self.a**2)  # B's product again
+        return super().weight_gradient()
+
+
+class WWithoutWhatBKept(Block):
+    def input_gradient(self, grad_y):
+        return ((grad_y @ self.w2) * (1 - self.a**2)) @ self.w1  # keeps nothing for W
+
+    def weight_gradient(self):
+        return Split.weight_gradient(self)
+
+
 @pytest.mark.parametrize(
     "answer, message",
     [
+        (_w(w2=lambda s: (_rows(s.grad_y).T @ _rows(s.a)).T), "w2 is the transpose"),
         (
-            lambda x, g: (_rows(x).T @ _rows(g), _rows(g).sum(0)),
-            "grad_weight is the transpose of the right one",
+            _w(w2=lambda s: _rows(s.a).T @ _rows(s.grad_y)),
+            "w2 (is the transpose|has the shape \\(in, out\\))",
+        ),
+        (_w(w2=lambda s: _rows(s.grad_y).T @ _rows(s.h)), "w2 is computed from the pre-activation"),
+        (_w(w1=lambda s: _rows(s.grad_a).T @ _rows(s.x)), "w1 is computed from the gradient at"),
+        (_w(w1=lambda s: _rows(s.grad_h).T @ _rows(s.h)), "w1 is computed from the wrong saved"),
+        (_w(b2=lambda s: _rows(s.grad_y)), "a forgotten sum over the batch"),
+        (_w(b1=lambda s: _rows(s.grad_h).mean(0)), "b1 is the MEAN"),
+        (_w(b1=lambda s: _rows(s.grad_a).sum(0)), "b1 sums the gradient at tanh's output"),
+        (WNotFlattened, "w1 has the shape \\(5, 6, 4\\).*flatten the leading dims"),
+        (
+            _w(w2=lambda s: _rows(s.grad_y).T @ _rows(s.a) / len(_rows(s.a))),
+            "w2 is the MEAN over the 5 rows",
         ),
         (
-            lambda x, g: (g.mT @ x, g.sum(0)),
-            "grad_weight must have the weight's shape \\(6, 4\\), got \\(5, 6, 4\\).*leading dims",
-        ),
-        (
-            lambda x, g: (torch.einsum("ij,ik->jk", g, x), g.sum(0)),
-            "raised RuntimeError.*2 leading dims \\(5, 3\\).*flatten the leading dims",
-        ),
-        (
-            lambda x, g: _rows(g).T @ _rows(x),
-            "return the pair \\(grad_weight, grad_bias\\).*bias is a parameter too",
-        ),
-        (
-            lambda x, g: (weight_gradient(x, g)[0], _rows(g).mean(0)),
-            "the MEAN of grad_y over the rows",
-        ),
-        (lambda x, g: (weight_gradient(x, g)[0], g), "grad_bias must have the bias's shape"),
-        (
-            lambda x, g: (weight_gradient(x, g)[0] / len(_rows(x)), weight_gradient(x, g)[1]),
-            "grad_weight is the MEAN over the 5 rows",
-        ),
+            lambda *p: type("NoBias", (Split,), {"weight_gradient": lambda s: {"w1": 0, "w2": 0}})(
+                *p
+            ),
+            "W returns a dict with the keys .*biases are parameters too",
+        ),  # fmt: skip
+        (WRedoesB, "W ran .* multiply-adds more than the two weight products"),
+        (WWithoutWhatBKept, "raised AttributeError"),
     ],
 )
 def test_weight_gradient_catches_planted_bugs(answer, message):
@@ -360,33 +444,105 @@ def test_weight_gradient_catches_planted_bugs(answer, message):
         ch06.check_weight_gradient(answer)
 
 
-def _weight_gradient_by_autograd(x, grad_y):
-    weight = torch.zeros(grad_y.shape[-1], x.shape[-1], dtype=x.dtype, requires_grad=True)
-    bias = torch.zeros(grad_y.shape[-1], dtype=x.dtype, requires_grad=True)
-    y = torch.nn.functional.linear(x, weight, bias)
-    y.backward(grad_y)
-    return weight.grad, bias.grad
+# Every back door to a block's gradients, each rejected as calling the library
 
 
-def _input_gradient_by_vjp(grad_y, weight):
-    x = torch.zeros(*grad_y.shape[:-1], weight.shape[1], dtype=grad_y.dtype)
-    return torch.func.vjp(lambda x: x @ weight.T, x)[1](grad_y)[0]
+class BlockByAutogradGrad(Block):
+    def forward(self, x):
+        self.x = x.clone().requires_grad_()
+        self.y = torch.tanh(self.x @ self.w1.T + self.b1) @ self.w2.T + self.b2
+        return self.y.detach()
+
+    def input_gradient(self, grad_y):
+        return torch.autograd.grad(self.y, self.x, grad_y)[0]
 
 
-def _input_gradient_by_autograd(grad_y, weight):
-    x = torch.zeros(*grad_y.shape[:-1], weight.shape[1], dtype=grad_y.dtype, requires_grad=True)
-    return torch.autograd.grad(x @ weight.T, x, grad_y)[0]
+class BlockByBackward(BlockByAutogradGrad):
+    def input_gradient(self, grad_y):
+        self.y.backward(grad_y)
+        return self.x.grad
+
+
+class BlockByVjp(Block):
+    def input_gradient(self, grad_y):
+        f = lambda x: torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T + self.b2  # noqa: E731
+        return torch.func.vjp(f, self.x)[1](grad_y)[0]
+
+
+class BlockByAtenLinearBackward(Block):
+    def input_gradient(self, grad_y):
+        self.grad_y = grad_y
+        grad_a = torch.ops.aten.linear_backward(self.a, grad_y, self.w2, [True, False, False])[0]
+        self.grad_h = grad_a * (1 - self.a**2)
+        return self.grad_h @ self.w1
+
+
+class BlockByAtenTanhBackward(Block):
+    def input_gradient(self, grad_y):
+        self.grad_y = grad_y
+        self.grad_h = torch.ops.aten.tanh_backward.default(grad_y @ self.w2, self.a)
+        return self.grad_h @ self.w1
+
+
+class BlockByTheLibrary(Block):
+    def input_gradient(self, grad_y):
+        self.grad_y = grad_y
+        self.grad_h = bs.linear_input_gradient(grad_y, self.w2) * (1 - self.a**2)
+        return self.grad_h @ self.w1
+
+
+class SplitByAtenLinearBackward(Split):
+    def weight_gradient(self):
+        _, w2, b2 = torch.ops.aten.linear_backward(
+            _rows(self.a), _rows(self.grad_y), self.w2, [False, True, True]
+        )
+        return super().weight_gradient() | {"w2": w2, "b2": b2}
+
+
+class SplitByBackward(Split):
+    def weight_gradient(self):
+        w1 = self.w1.clone().requires_grad_()
+        (self.grad_h @ w1).backward(torch.ones_like(self.x))  # a backward that fills w1.grad
+        return super().weight_gradient()
+
+
+class SplitByAutogradGrad(Split):
+    def weight_gradient(self):
+        w2 = self.w2.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(self.a @ w2.T, w2, self.grad_y)
+        return super().weight_gradient() | {"w2": grad}
+
+
+class SplitByVjp(Split):
+    def weight_gradient(self):
+        grad = torch.func.vjp(lambda w: self.a @ w.T, self.w2)[1](self.grad_y)[0]
+        return super().weight_gradient() | {"w2": grad}
+
+
+class SplitByTheLibrary(Split):
+    def weight_gradient(self):
+        w2, b2 = bs.linear_weight_gradient(self.a, self.grad_y)
+        return super().weight_gradient() | {"w2": w2, "b2": b2}
 
 
 @pytest.mark.parametrize(
     "check, answer",
-    [
-        (ch06.check_weight_gradient, _weight_gradient_by_autograd),  # Tensor.backward
-        (ch06.check_input_gradient, _input_gradient_by_vjp),
-        (ch06.check_input_gradient, _input_gradient_by_autograd),
-    ],
-)
-def test_the_split_switches_off_autograd(check, answer):
+    [(ch06.check_input_gradient, b) for b in (BlockByAutogradGrad, BlockByBackward, BlockByVjp,
+      BlockByAtenLinearBackward, BlockByAtenTanhBackward, BlockByTheLibrary)]
+    + [(ch06.check_weight_gradient, w) for w in (SplitByAtenLinearBackward, SplitByBackward,
+       SplitByAutogradGrad, SplitByVjp, SplitByTheLibrary)],
+    ids=lambda a: getattr(a, "__name__", ""),
+)  # fmt: skip
+def test_every_back_door_to_the_split_is_named(check, answer):
     with pytest.raises(ExerciseFailed, match="called the library instead.*switched off"):
         check(answer)
     assert torch.Tensor.backward.__code__.co_name == "backward"  # put back afterwards
+
+
+def test_a_library_error_is_not_read_as_not_attempted():
+    class Raises(Block):
+        def input_gradient(self, grad_y):
+            raise NotImplementedError("Could not run 'aten::something' with arguments from CPU")
+
+    with pytest.raises(ExerciseFailed, match="NotImplementedError from inside torch"):
+        ch06.check_input_gradient(Raises)
