@@ -427,16 +427,18 @@ def moe_round_trip(
 
 def checkpoint_reads(
     shape: tuple[int, int],
-    saved: Sequence[tuple[Sequence[int], Sequence[int]]],
+    saved: Sequence[Sequence],
     reads: dict[int, tuple[Sequence[int], Sequence[int]]],
     title: str = "",
     ax: plt.Axes | None = None,
 ) -> plt.Axes:
     """One 2-D tensor of a checkpoint (rows down, columns across): each slice the checkpoint holds
-    (``saved``, ``(offsets, sizes)`` as DCP's metadata lists them) in its own colour, and each
-    rank of the loading layout's slice (``reads``, rank -> ``(offsets, sizes)``) as a dashed
-    box naming the rank and the saved slices it overlaps. Chapter 13 draws a checkpoint saved
-    at ``dp2 x tp2`` and loaded at ``tp4`` with it."""
+    (``saved``, ``(offsets, sizes)`` as DCP's metadata lists them, or ``(offsets, sizes,
+    writer)`` as :func:`~dmlbook.advanced.composition.checkpoint.saved_chunks` does) in its own
+    colour, named by its index or its writer's rank, and each rank of the loading layout's
+    slice (``reads``, rank -> ``(offsets, sizes)``) as a dashed box naming the ranks that read
+    it and the saved slices it overlaps. Chapter 13 draws a checkpoint saved at ``tp4`` and
+    loaded at ``dp2 x tp2`` with it."""
     rows, cols = shape
     ax = ax or plt.subplots(figsize=(4.2, 3.6))[1]
     colours = plt.get_cmap("Pastel1")
@@ -444,22 +446,33 @@ def checkpoint_reads(
     def box(offsets, sizes):  # (x, y, width, height): columns across, rows down
         return offsets[1], offsets[0], sizes[1], sizes[0]
 
-    def overlap(a, b) -> bool:
-        return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(*a, *b, strict=True))
+    def overlap(a, b) -> bool:  # (offsets, sizes, ...) of two slices
+        return all(oa < ob + sb and ob < oa + sa
+                   for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True))  # fmt: skip
 
-    for i, (offsets, sizes) in enumerate(saved):
-        x, y, w, h = box(offsets, sizes)
+    # A slice is named by its writer's rank when ``saved`` gives it, else by its index.
+    writers = [str(c[2]) for c in saved] if len(saved[0]) > 2 else None
+    for i, chunk in enumerate(saved):
+        x, y, w, h = box(chunk[0], chunk[1])
         ax.add_patch(plt.Rectangle((x, y), w, h, fc=colours(i % 9), ec="0.35", lw=1.2))
-        ax.text(x + 0.03 * cols, y + 0.03 * rows, f"saved {i}", fontsize=7, va="top",
-                color="0.3")  # fmt: skip
-    for rank, chunk in sorted(reads.items()):
+        label = f"saved by\nrank {writers[i]}" if writers else f"saved {i}"
+        ax.text(x + 0.03 * cols, y + 0.03 * rows, label, fontsize=7, va="top", color="0.3")
+    readers: dict[tuple, list[int]] = {}  # copies (dp, cp) read the same slice: one box
+    for rank, (offsets, sizes) in sorted(reads.items()):
+        readers.setdefault((tuple(offsets), tuple(sizes)), []).append(rank)
+    for chunk, ranks in readers.items():
         x, y, w, h = box(*chunk)
         inset = 0.02 * min(rows, cols)
         ax.add_patch(plt.Rectangle((x + inset, y + inset), w - 2 * inset, h - 2 * inset,
                                    fill=False, ec="0.1", ls="--", lw=1.0))  # fmt: skip
-        sources = ", ".join(str(i) for i, c in enumerate(saved) if overlap(c, chunk))
-        ax.text(x + w / 2, y + h / 2, f"rank {rank}\nreads {sources}", ha="center",
-                va="center", fontsize=7.5)  # fmt: skip
+        sources = [i for i, c in enumerate(saved) if overlap(c, chunk)]
+        if writers:
+            label = "reads saved by " + ", ".join(writers[i] for i in sources)
+        else:
+            label = "reads " + ", ".join(str(i) for i in sources)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        ax.text(x + w / 2, y + h / 2, f"{who}\n{label}", ha="center", va="center", fontsize=7.5,
+                bbox=dict(fc="white", ec="none", alpha=0.8, pad=1.5))  # fmt: skip
     ax.set_xlim(0, cols)
     ax.set_ylim(rows, 0)
     ax.set_xlabel(f"columns (0 to {cols})", fontsize=8)

@@ -13,10 +13,21 @@ training, the planner and checkpoints that move between layouts (chapters 9 and 
 * :mod:`~dmlbook.advanced.composition.planner`: each layout's memory, traffic and step time,
   predicted, and layouts ranked;
 * :mod:`~dmlbook.advanced.composition.checkpoint`: the composed model and its ZeRO-1 state
-  saved through ``torch.distributed.checkpoint`` at one layout and loaded at another.
+  saved through ``torch.distributed.checkpoint`` at one layout and loaded at another, over
+  :mod:`~dmlbook.advanced.composition.placements` (each rank's piece of each tensor, as DCP's
+  placements).
 
 Import the modules by name; this package imports none of them, so that a strategy folder can
 import the plan without pulling in the composition that imports that folder.
 """
 
-__all__ = ["checkpoint", "compose", "hybrid", "layout", "plan", "planner", "training"]
+__all__ = [
+    "checkpoint",
+    "compose",
+    "hybrid",
+    "layout",
+    "placements",
+    "plan",
+    "planner",
+    "training",
+]

@@ -11,31 +11,19 @@ resharding; chapter 3 loads a data-parallel checkpoint at another world size the
 :mod:`dmlbook.data_parallel.checkpoint.sharded`).
 
 What each dimension of :class:`~dmlbook.advanced.composition.layout.Layout` does to a tensor
-decides what a rank reports:
-
-* ``tp`` cuts a tensor: a rank holds one block along one dimension (:data:`TP_CUTS`, read from
-  the layer types of :mod:`dmlbook.advanced.tensor_parallel`). It is saved as a ``DTensor`` with
-  placement ``Shard(dim)`` over a one-dimensional ``DeviceMesh`` made from the TP group, which
-  is all DCP needs to know the block's offset in the global tensor;
-* ``pp`` chooses which tensors a rank holds (its stage's), and ``ep`` which experts (renumbered
-  back to their global index); neither cuts a tensor;
-* ``dp`` and ``cp`` copy tensors: the ranks of a ``dp x cp`` group hold the same slices. Each
-  copy reports the same slice, and DCP's planner keeps one writer per slice;
-* ZeRO-1 shards the optimizer state by whole parameters over ``dp x cp``: the owner of a
-  parameter saves its Adam moments, cut like the parameter (same shape, same placement); on
-  load each rank of the new layout reads the moments of the parameters it owns now.
-
-One exception to "the unmodified model's shape": attention's fused ``c_attn`` (q, k and v in
-one weight, :data:`FUSED`) is stored as ``(3, C, C_in)``, because tensor parallelism gives a rank
-its heads' block of *each* of q, k and v, which is one block of dimension 1 of that view and no
-single block of the ``(3 C, C_in)`` weight.
+decides what a rank reports (:mod:`~dmlbook.advanced.composition.placements`: ``tp`` cuts, as a
+``DTensor`` ``Shard(dim)``; ``pp`` and ``ep`` choose; ``dp`` and ``cp`` copy). ZeRO-1 shards the
+optimizer state by whole parameters over ``dp x cp``: the owner of a parameter saves its Adam
+moments, cut like the parameter (same shape, same placement); on load each rank of the new
+layout reads the moments of the parameters it owns now.
 
 :func:`save_composed` writes to a temporary folder, and rank 0 renames it into place once DCP
 has written its ``.metadata``, so the final path never holds a half-written checkpoint.
 :func:`load_composed` first compares, on every rank, the whole model's keys and global shapes
 (one all-gather) with the checkpoint's, so a checkpoint of another model raises the same
-``ValueError``, naming the key and both shapes, on every rank. :func:`train_and_save` and
-:func:`load_and_train` are the rank functions chapter 13 and the tests move a run with.
+``ValueError``, naming the key and both shapes, on every rank, and returns the reads DCP planned
+for the rank (:class:`Read`: which saved slice, from which rank's file). :func:`train_and_save`
+and :func:`load_and_train` are the rank functions chapter 13 and the tests move a run with.
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,112 +40,47 @@ from torch import nn
 
 from dmlbook.advanced.composition.compose import Composed, compose
 from dmlbook.advanced.composition.layout import Axis, Layout, ProcessGroups
+from dmlbook.advanced.composition.placements import pieces, tp_mesh
 from dmlbook.advanced.composition.training import compare_with_reference, composed_step, cut_batch
-from dmlbook.advanced.context_parallel.styles import (
-    ContextParallelAttention,
-    ContextParallelPositions,
-)
-from dmlbook.advanced.expert_parallel import ExpertParallelMoE
 from dmlbook.advanced.expert_parallel.moe import MoEFeedForward
-from dmlbook.advanced.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from dmlbook.advanced.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 from dmlbook.comm.groups import group_rank_size
 from dmlbook.data_parallel.checkpoint.sharded import quiet_dcp, save_folder_atomically
 from dmlbook.model_parallel.pipeline import PipelineStage
 from dmlbook.models import Batch
 
 __all__ = [
+    "Read",
+    "SavedSlice",
     "checkpoint_state",
     "load_and_train",
     "load_composed",
-    "pieces",
     "save_composed",
     "saved_chunks",
     "train_and_save",
 ]
 
-# How tensor parallelism cut each layer type: parameter name -> the dimension cut into tp blocks.
-TP_CUTS: dict[type, dict[str, int]] = {
-    ColumnParallelLinear: {"weight": 0, "bias": 0},  # a block of the outputs
-    RowParallelLinear: {"weight": 1},  # a block of the inputs; the bias is whole on every rank
-    VocabParallelEmbedding: {"weight": 0},  # a block of the vocabulary
-}
-# Fused weights, by module name: how many parts they hold (attention's q|k|v).
-FUSED: dict[str, int] = {"c_attn": 3}
+Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in a tensor's stored shape
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One tensor of the unmodified model as this rank holds it."""
+class SavedSlice(NamedTuple):
+    """One slice a checkpoint holds, as DCP's metadata lists it."""
 
-    name: str  # its name in the unmodified model: its key in the checkpoint
-    tensor: torch.Tensor  # this rank's part: the parameter itself, not a copy
-    dim: int | None = None  # the dimension tensor parallelism cut (None: whole here)
-    parts: int = 1  # a fused weight's parts (q|k|v: 3), stored as (parts, rows / parts, ...)
-
-    def stored(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """``tensor`` (default: the parameter), or a state tensor shaped like it, as stored: a
-        fused weight viewed with its parts first (a view: loading into it fills the tensor)."""
-        t = self.tensor if tensor is None else tensor
-        return t if self.parts == 1 else t.view(self.parts, -1, *t.shape[1:])
-
-    @property
-    def split_dim(self) -> int | None:
-        """The dimension of the stored view that tensor parallelism cut."""
-        return None if self.dim is None else self.dim + (self.parts > 1)
-
-    def checkpointed(self, tensor: torch.Tensor | None, mesh) -> torch.Tensor:
-        """What DCP is given: the stored view, as a ``DTensor`` ``Shard(split_dim)`` over the TP
-        ``mesh`` when tensor parallelism cut it (DCP reads the global shape and this rank's
-        offset from it), else the plain tensor (a whole tensor, offset 0)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        view = self.stored(tensor)
-        if self.dim is None or mesh is None:
-            return view
-        return DTensor.from_local(view, mesh, [Shard(self.split_dim)], run_check=False)
+    offsets: tuple[int, ...]  # where it starts in the stored global tensor
+    sizes: tuple[int, ...]
+    writer: int  # the rank whose file holds it (one writer per slice, however many copies)
 
 
-def pieces(composed: Composed) -> list[Piece]:
-    """This rank's tensors of ``composed`` (its pipeline stage's), each under its name in the
-    unmodified model: context parallelism's wrappers are looked through, expert parallelism's
-    local experts numbered back to their global index, tensor parallelism's cuts read from
-    :data:`TP_CUTS`."""
-    held = {id(p) for p in composed.stage.parameters()}  # only this stage's layers
-    found: list[Piece] = []
+class Read(NamedTuple):
+    """One read DCP planned for a loading rank: part or all of one saved slice."""
 
-    def walk(module: nn.Module, path: str) -> None:
-        if isinstance(module, ContextParallelPositions):  # wraps the position embedding
-            return walk(module.embedding, path)
-        if isinstance(module, ContextParallelAttention):  # wraps the attention
-            return walk(module.inner, path)
-        cuts = next((c for kind, c in TP_CUTS.items() if isinstance(module, kind)), {})
-        parts = FUSED.get(path.rpartition(".")[2], 1)
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in held:
-                found.append(Piece(f"{path}.{name}".lstrip("."), p, cuts.get(name), parts))
-        for name, child in module.named_children():
-            if isinstance(module, ExpertParallelMoE) and name == "experts":
-                first = module.expert_range[0]  # this rank's experts are first, first + 1, ...
-                for i, expert in enumerate(child):
-                    walk(expert, f"{path}.experts.{first + i}")
-            else:
-                walk(child, f"{path}.{name}".lstrip("."))
-
-    walk(composed.model, "")
-    return found
+    key: str  # e.g. "model.blocks.0.mlp.c_fc.weight"
+    saved: tuple[int, ...]  # the saved slice it comes from, by its offsets (a SavedSlice's)
+    writer: int  # the rank whose file holds that slice: the rank that saved it
 
 
-def tp_mesh(composed: Composed):
-    """The TP group as a one-dimensional ``DeviceMesh`` (no new process group), or None
-    without tensor parallelism: the only dimension that cuts a tensor."""
-    groups = composed.groups
-    if groups.layout.tp == 1:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    device = next(composed.stage.parameters()).device.type
-    return DeviceMesh.from_group(groups.tp, device, mesh_dim_names=(Axis.tp.value,))
+def writer_of(file: str) -> int:
+    """The saving rank of a DCP file: ``FileSystemWriter`` names rank r's files ``__r_n.distcp``."""
+    return int(file.split("_")[2])
 
 
 def checkpoint_state(composed: Composed) -> dict[str, torch.Tensor]:
@@ -180,6 +104,12 @@ def checkpoint_state(composed: Composed) -> dict[str, torch.Tensor]:
     return state
 
 
+def held_slices(composed: Composed) -> dict[str, Slice]:
+    """The slice of each tensor this rank holds, by its name in the unmodified model."""
+    tp_rank = composed.groups.coords[Axis.tp]
+    return {p.name: p.slice_at(tp_rank) for p in pieces(composed)}
+
+
 def save_composed(composed: Composed, directory: str | os.PathLike) -> Path:
     """Collective (every rank of the world): save ``composed``'s model and ZeRO-1 optimizer
     state to the folder ``directory`` with DCP, readable at any layout (see the module). The
@@ -189,19 +119,27 @@ def save_composed(composed: Composed, directory: str | os.PathLike) -> Path:
     return save_folder_atomically(directory, checkpoint_state(composed))
 
 
-def load_composed(composed: Composed, directory: str | os.PathLike) -> None:
+def load_composed(composed: Composed, directory: str | os.PathLike) -> list[Read]:
     """Collective: load a :func:`save_composed` folder, saved at any layout, into ``composed``
     at its own layout: each rank reads the slices it holds now, and the state of the parameters
     it owns now under ZeRO-1. A checkpoint of another model (a key missing or extra, a global
-    shape that differs) raises the same ``ValueError`` on every rank before anything is read."""
+    shape that differs) raises the same ``ValueError`` on every rank before anything is read.
+    Returns the reads DCP planned for this rank: its record of which saved slices it read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Recording(DefaultLoadPlanner):  # DCP's own planner, keeping this rank's final plan
+        def finish_plan(self, new_plan):
+            self.plan = super().finish_plan(new_plan)
+            return self.plan
 
     directory = Path(directory)
     if not (directory / ".metadata").is_file():
         raise FileNotFoundError(
             f"no checkpoint at {directory} (no DCP .metadata: never saved, or the save did not end)"
         )
-    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    saved = metadata.state_dict_metadata
     mesh = tp_mesh(composed)
     held = pieces(composed)
     state = {f"model.{p.name}": p.checkpointed(p.tensor.detach(), mesh) for p in held}
@@ -219,19 +157,32 @@ def load_composed(composed: Composed, directory: str | os.PathLike) -> None:
                     state[key] = piece.checkpointed(values[name], mesh)
                 else:  # whole: a scalar step
                     values[name] = state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    planner = Recording()
     with quiet_dcp():  # DCP warns in one process (no group): that is meant here
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=planner)
+    files = metadata.storage_data  # saved slice -> the file that holds it
+    return [
+        Read(i.storage_index.fqn, tuple(i.storage_index.offset),
+             writer_of(files[i.storage_index].relative_path))
+        for i in planner.plan.items
+    ]  # fmt: skip
 
 
-def saved_chunks(directory: str | os.PathLike, key: str) -> list[tuple[tuple[int, ...], ...]]:
+def saved_chunks(directory: str | os.PathLike, key: str) -> list[SavedSlice]:
     """The slices of ``key`` (e.g. ``"model.wte.weight"``) that a checkpoint holds, as DCP's
-    metadata lists them: ``(offsets, sizes)`` in the stored shape, one per slice written."""
+    metadata lists them, one per slice written: offsets and sizes in the stored shape, and the
+    rank whose file holds it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    meta = dcp.FileSystemReader(Path(directory)).read_metadata().state_dict_metadata
-    if key not in meta:
+    metadata = dcp.FileSystemReader(Path(directory)).read_metadata()
+    if key not in metadata.state_dict_metadata:
         raise KeyError(f"no {key!r} in the checkpoint at {directory}")
-    return [(tuple(c.offsets), tuple(c.sizes)) for c in meta[key].chunks]
+    return [
+        SavedSlice(tuple(c.offsets), tuple(c.sizes),
+              writer_of(metadata.storage_data[MetadataIndex(key, c.offsets)].relative_path))
+        for c in metadata.state_dict_metadata[key].chunks
+    ]  # fmt: skip
 
 
 def check_fits(directory: Path, saved: dict, state: dict, optimizer: bool) -> None:
@@ -273,8 +224,8 @@ class Resumed:
     rank: int
     coords: dict[Axis, int]
     max_diff: float | None  # against the reference's slice, when one was given
-    slices: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    # each tensor this rank read: (offsets, sizes) in its stored shape
+    slices: dict[str, Slice] = field(default_factory=dict)  # each tensor's slice held here
+    reads: list[Read] = field(default_factory=list)  # the saved slices it read them from
 
 
 def _composed(make_model, batches, layout, microbatches, lr, group_cache):
@@ -306,12 +257,14 @@ def train_and_save(
     microbatches: int = 1,
     lr: float = 1e-2,
     group_cache: dict | None = None,
-) -> None:
+) -> dict[str, Slice]:
     """Rank function: train ``make_model()`` composed at ``layout`` (AdamW, ZeRO-1) on
-    ``batches``, one composed step each, then :func:`save_composed` it to ``directory``."""
+    ``batches``, one composed step each, then :func:`save_composed` it to ``directory``.
+    Returns the slices this rank held (:func:`held_slices`)."""
     composed, pipeline = _composed(make_model, batches, layout, microbatches, lr, group_cache)
     _train(composed, pipeline, batches, microbatches)
     save_composed(composed, directory)
+    return held_slices(composed)
 
 
 def load_and_train(
@@ -329,20 +282,12 @@ def load_and_train(
     ``reference_state``: the state dict of the one-process run that never stopped, to compare
     each parameter this rank holds with (``max_diff``)."""
     composed, pipeline = _composed(make_model, batches, layout, microbatches, lr, group_cache)
-    load_composed(composed, directory)
+    reads = load_composed(composed, directory)
     _train(composed, pipeline, batches, microbatches)
     max_diff = None
     if reference_state is not None:
         reference = make_model()
         reference.load_state_dict(reference_state)
         max_diff = compare_with_reference(composed.stage, reference, composed.groups)
-    tp_rank = composed.groups.coords[Axis.tp]
-    slices = {}
-    for p in pieces(composed):
-        sizes = tuple(p.stored().shape)
-        offsets = [0] * len(sizes)
-        if p.dim is not None:
-            offsets[p.split_dim] = tp_rank * sizes[p.split_dim]
-        slices[p.name] = (tuple(offsets), sizes)
     rank = group_rank_size()[0]
-    return Resumed(rank, composed.groups.coords, max_diff, slices)
+    return Resumed(rank, composed.groups.coords, max_diff, held_slices(composed), reads)

@@ -2,9 +2,11 @@
 through torch.distributed.checkpoint at one layout, loaded at another (dp2 x tp2 -> tp4,
 pp2 x dp2 -> dp4, and each back to one process), and training continues equal to the
 one-process run that never stopped (every parameter of every rank, float64 to 1e-10, as
-test_composed). Keys are the unmodified model's names; a checkpoint of another model raises the
-same ValueError, naming the key and both shapes, on every rank, with no hang. World 4, a tiny
-model: four world-4 launches in all."""
+test_composed). Keys are the unmodified model's names; each loading rank's record of its reads
+names the saved slices and the saving ranks' files (a slice straddling two saved ones, ZeRO-1's
+optimizer state changing owner); a checkpoint of another model raises the same ValueError,
+naming the key and both shapes, on every rank, with no hang. World 4, a tiny model: seven
+world-4 launches in all."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ import pytest
 import torch
 
 from dmlbook.advanced.composition.checkpoint import (
+    SavedSlice,
     load_and_train,
     load_composed,
-    pieces,
     saved_chunks,
     train_and_save,
 )
 from dmlbook.advanced.composition.compose import compose
 from dmlbook.advanced.composition.layout import Layout, ProcessGroups
+from dmlbook.advanced.composition.placements import pieces
 from dmlbook.advanced.expert_parallel.moe import moe_char_gpt
 from dmlbook.data_parallel.loop import train_reference
 from dmlbook.launch import run
@@ -99,14 +102,27 @@ def test_a_checkpoint_moves_between_layouts_and_training_continues_equal(name, t
             assert r.slices["blocks.0.mlp.c_fc.weight"] == ((16 * r.coords["tp"], 0), (16, 16))
             assert r.slices["blocks.0.attn.c_attn.weight"] == ((0, 4 * r.coords["tp"], 0),
                                                                (3, 4, 16))  # fmt: skip
+            # the model: rank r's 16 rows from the tp2 block holding them (tp rank r // 2)
+            read = [x for x in r.reads if x.key == "model.blocks.0.mlp.c_fc.weight"]
+            assert [(x.saved, x.writer % 2) for x in read] == [((32 * (r.rank // 2), 0),
+                                                                r.rank // 2)]  # fmt: skip
+        # ZeRO-1 changes owners: at dp2 x tp2 one dp coordinate (ranks 0, 1 or ranks 2, 3)
+        # owned and saved each parameter's moments; at tp4 (no dp) all four ranks read them.
+        key = "optimizer.state.blocks.0.mlp.c_fc.weight.exp_avg"
+        writers = {c.writer for c in saved_chunks(tmp_path / "ckpt", key)}
+        assert writers in ({0, 1}, {2, 3})
+        readers = {r.rank: {x.writer for x in r.reads if x.key == key} for r in results}
+        # every rank reads one saved block of them: two ranks that never held them now own them
+        assert sorted(readers) == [0, 1, 2, 3]
+        assert all(len(w) == 1 and w <= writers for w in readers.values()), readers
     if after.ep == 4:  # expert r on rank r, under its global number
         for r in results:
             assert f"blocks.1.mlp.experts.{r.rank}.c_fc.weight" in r.slices
     # The checkpoint holds each slice once, at its global offset: tp2's two blocks of rows.
     if before.tp == 2:
-        assert saved_chunks(tmp_path / "ckpt", "model.blocks.0.attn.c_proj.weight") == [
-            ((0, 0), (16, 8)), ((0, 8), (16, 8))
-        ]  # fmt: skip
+        chunks = saved_chunks(tmp_path / "ckpt", "model.blocks.0.attn.c_proj.weight")
+        assert [c[:2] for c in chunks] == [((0, 0), (16, 8)), ((0, 8), (16, 8))]
+        assert [c.writer % 2 for c in chunks] == [0, 1]  # by a rank of tp 0, of tp 1 (rank % 2)
     # Nothing but the checkpoint at the final path (the temporary folder was renamed).
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert (tmp_path / "ckpt" / ".metadata").is_file()
@@ -124,6 +140,13 @@ def test_a_checkpoint_of_any_layout_loads_in_one_process(name, tmp_path):
                             reference_state=reference_state())  # fmt: skip
     assert result.max_diff < TOL
     assert set(result.slices) == set(dict(make_dense().named_parameters()))
+    # One process holds every tensor whole: it reads each saved slice, from each saver's file.
+    key = "model.blocks.0.mlp.c_fc.weight"
+    saved = saved_chunks(directory, key)
+    read = [(x.saved, x.writer) for x in result.reads if x.key == key]
+    assert sorted(read) == sorted((c.offsets, c.writer) for c in saved)
+    if before.tp == 2:  # straddles: rows 0-31 from one rank's file, rows 32-63 from another's
+        assert len(read) == 2 and len({w for _, w in read}) == 2, read
 
 
 def test_the_keys_are_the_unmodified_models_names_in_one_process():
@@ -192,4 +215,10 @@ def test_the_picture_names_each_reading_rank_and_the_saved_slices_it_overlaps():
     assert "rank 1\nreads 0" in texts and "rank 2\nreads 1" in texts
     ax = checkpoint_reads((64, 16), saved, {0: ((16, 0), (32, 16))})  # across the boundary
     assert "rank 0\nreads 0, 1" in [t.get_text() for t in ax.texts]
+    # Chunks that name their writer: named by it; copies reading the same slice share one box.
+    chunks = [SavedSlice((0, 0), (32, 16), 2), SavedSlice((32, 0), (32, 16), 1)]
+    ax = checkpoint_reads((64, 16), chunks, {0: ((0, 0), (64, 16)), 1: ((0, 0), (64, 16))})
+    texts = [t.get_text() for t in ax.texts]
+    assert "saved by\nrank 2" in texts and "saved by\nrank 1" in texts
+    assert "ranks 0, 1\nreads saved by 2, 1" in texts
     plt.close("all")
