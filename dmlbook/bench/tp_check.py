@@ -68,30 +68,29 @@ def unchecked(calls: list[int]) -> Iterator[None]:
 
 
 @contextmanager
-def _counting_separate_checks() -> Iterator[dict[str, int]]:
-    """How many checks travel in messages of their own (the all-reduce's rides in its first
-    message): checked all-gathers and reduce-scatters, and whole-shape checks."""
+def _counting_checks() -> Iterator[dict[str, int]]:
+    """How each check of a step travels, counted where it is sent: inside a collective's first
+    message (``carried``: the ring all-reduce, all-gather and reduce-scatter, recursive
+    doubling), in a header round of its own (``header_alone``:
+    :meth:`~dmlbook.comm.shapecheck.ShapeCheck.exchange`), or as a whole-shape check, an
+    all-gather of its own (``check_same_sequence_split``)."""
     from dmlbook.advanced.tensor_parallel import comm as tp_comm
-    from dmlbook.comm import collectives
+    from dmlbook.comm.shapecheck import ShapeCheck
 
-    counts = {"all_gather": 0, "reduce_scatter": 0, "check_same_sequence_split": 0}
+    counts = {"carried": 0, "header_alone": 0, "check_same_sequence_split": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
-            if kwargs.get("check", True):
-                counts[name] += 1
+            counts[name] += 1
             return fn(*args, **kwargs)
 
         return call
 
-    counting = SimpleNamespace(
-        all_reduce=collectives.all_reduce,
-        all_gather=counted("all_gather", collectives.all_gather),
-        reduce_scatter=counted("reduce_scatter", collectives.reduce_scatter),
-    )
     whole = counted("check_same_sequence_split", tp_comm.check_same_sequence_split)
     with (
-        mock.patch.object(tp_comm, "collectives", counting),
+        mock.patch.object(ShapeCheck, "ring_start", counted("carried", ShapeCheck.ring_start)),
+        mock.patch.object(ShapeCheck, "pair_start", counted("carried", ShapeCheck.pair_start)),
+        mock.patch.object(ShapeCheck, "exchange", counted("header_alone", ShapeCheck.exchange)),
         mock.patch.object(tp_comm, "check_same_sequence_split", whole),
     ):
         yield counts
@@ -120,7 +119,7 @@ def _steps(config: dict, batch: int, repeats: int, warmup: int) -> dict:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
         return elapsed.item()
 
-    with tp.counting() as comms, _counting_separate_checks() as separate:
+    with tp.counting() as comms, _counting_checks() as checks:
         step()
     calls = [0]
     times: dict[str, list[float]] = {"checked": [], "unchecked": []}
@@ -133,7 +132,7 @@ def _steps(config: dict, batch: int, repeats: int, warmup: int) -> dict:
                 times[way].append(seconds)
     if calls[0] != len(comms) * (warmup + repeats):  # the switch reached every collective
         raise RuntimeError(f"{calls[0]} unchecked calls for {len(comms)} collectives a step")
-    return {"times": times, "collectives": len(comms), "separate_checks": separate}
+    return {"times": times, "collectives": len(comms), "checks": checks}
 
 
 def _p10_p90(values: list[float]) -> tuple[float, float]:
@@ -146,10 +145,12 @@ def _print(r: dict) -> None:
         low, high = r[f"{key}_p10_p90_s"]
         return f"{1e3 * r[f'{key}_median_s']:.2f} ms [{1e3 * low:.2f} to {1e3 * high:.2f}]"
 
-    separate = sum(r["separate_checks_per_step"].values())
+    checks = r["checks_per_step"]
+    apart = checks["header_alone"] + checks["check_same_sequence_split"]
     print(
-        f"world {r['world_size']}, {r['model']}: {r['collectives_per_step']} collectives a step, "
-        f"{separate} checks in messages of their own\n"
+        f"world {r['world_size']}, {r['model']}: {r['collectives_per_step']} collectives a step; "
+        f"checks: {checks['carried']} in a collective's first message, {apart} in messages of "
+        f"their own ({checks['check_same_sequence_split']} of them whole-shape checks)\n"
         f"  checked {ms('checked')}, fastest {1e3 * r['checked_min_s']:.2f} ms\n"
         f"  unchecked {ms('unchecked')}, fastest {1e3 * r['unchecked_min_s']:.2f} ms\n"
         f"  the check, pair by pair: {ms('extra')}, {100 * r['extra_fraction']:+.1f}% a step"
@@ -174,7 +175,7 @@ def bench_tp_check(
                 model=name,
                 steps=repeats,
                 collectives_per_step=result["collectives"],
-                separate_checks_per_step=result["separate_checks"],
+                checks_per_step=result["checks"],
                 **{f"{way}_median_s": statistics.median(t) for way, t in times.items()},
                 **{f"{way}_p10_p90_s": _p10_p90(t) for way, t in times.items()},
                 **{f"{way}_min_s": min(t) for way, t in times.items()},

@@ -13,9 +13,10 @@ shape and ``AVG``'s final division are left to :mod:`dmlbook.comm.collectives`, 
   They are the reference that the optimised ring below is tested equal to;
 * ``sliced_ring_reduce_scatter`` and ``sliced_ring_all_gather`` go round a ring, one chunk per
   step. Each chunk is cut into slices that flow through the ring back to back, so that reducing
-  one slice overlaps receiving the next. The ring all-reduce is one then the other: every rank
-  sends 2(p-1)/p of the tensor, the least any algorithm can. With a ``wire`` dtype (chapter 4,
-  beside gradient compression) chunks travel in bf16 or fp16, half the bytes of fp32, while every
+  one slice overlaps receiving the next; given a shape check, the first slice travels behind
+  its header. The ring all-reduce is one then the other: every rank sends 2(p-1)/p of the
+  tensor, the least any algorithm can. With a ``wire`` dtype (chapter 4, beside gradient
+  compression) chunks travel in bf16 or fp16, half the bytes of fp32, while every
   addition happens in the tensor's own precision. Each partial sum is rounded once per hop and
   the result once more before it goes round, so the error grows with the ring's length and not
   with the precision of the sums; every rank still ends with the same bits.
@@ -219,28 +220,58 @@ def sliced_ring_reduce_scatter(
         recvs = nxt
 
 
-def _all_gather_receives(comm: Comm, flat: torch.Tensor, slices, step0: int, step: int):
+def _all_gather_receives(
+    comm: Comm, flat: torch.Tensor, slices, step0: int, step: int, arrived=None
+):
     """Post the receives of all-gather step ``step``: chunk (r-step-1) mod p, slice by slice
-    (``slices[c]``), from the left neighbour, straight into ``flat``.
+    (``slices[c]``), from the left neighbour, straight into ``flat``; a first slice that
+    ``arrived`` already (behind the shape check's header) is copied in and needs no receive.
     Returns (start, stop, receive) per slice."""
     c, left = (comm.rank - step - 1) % comm.size, (comm.rank - 1) % comm.size
-    return [(a, b, comm.irecv(flat[a:b], left, step0 + step)) for a, b in slices[c]]
+    recvs = []
+    for a, b in slices[c]:
+        if arrived is not None:
+            flat[a:b] = arrived[: (b - a) * flat.element_size()].view(flat.dtype)
+            recvs.append((a, b, None))
+            arrived = None
+        else:
+            recvs.append((a, b, comm.irecv(flat[a:b], left, step0 + step)))
+    return recvs
 
 
 def sliced_ring_all_gather(
-    comm: Comm, flat: torch.Tensor, chunks, step0: int = 0, slices=None
+    comm: Comm,
+    flat: torch.Tensor,
+    chunks,
+    step0: int = 0,
+    slices=None,
+    check: ShapeCheck | None = None,
 ) -> None:
-    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived."""
+    """p-1 steps: rank r starts by sending its chunk r to r+1; each step forwards what arrived.
+
+    With ``check`` (``step0`` 0, a ring of its own rather than an all-reduce's second half),
+    the first slice travels behind the shape check's header (:mod:`dmlbook.comm.shapecheck`),
+    as in :func:`sliced_ring_reduce_scatter`."""
     size, rank = comm.size, comm.rank
     if size == 1:
         return
     right = (rank + 1) % size
     if slices is None:
         slices = [ring_slices(a, b, flat.element_size()) for a, b in chunks]
-    # receives are posted a step ahead, before the step's sends go out
-    recvs = _all_gather_receives(comm, flat, slices, step0, 0)
-    for a, b in slices[rank]:
-        comm.isend(flat[a:b], right, step0, "all-gather", rank)
+    if check is None:
+        # receives are posted a step ahead, before the step's sends go out
+        recvs = _all_gather_receives(comm, flat, slices, step0, 0)
+        for a, b in slices[rank]:
+            comm.isend(flat[a:b], right, step0, "all-gather", rank)
+    else:
+        check.post_receives()
+        head = slices[rank][:1]
+        inline = bool(head) and fits_inline((head[0][1] - head[0][0]) * flat.element_size())
+        check.ring_start(right, flat[slice(*head[0])] if inline else None, rank, "all-gather")
+        for a, b in slices[rank][1 if inline else 0 :]:
+            comm.isend(flat[a:b], right, step0, "all-gather", rank)
+        # a mismatch raises in verify, on every rank
+        recvs = _all_gather_receives(comm, flat, slices, step0, 0, check.verify())
     for step in range(size - 1):
         c = (rank - step - 1) % size
         last = step == size - 2

@@ -23,8 +23,10 @@ Signatures follow ``torch.distributed``: the tensor is changed in place, ``src``
 ranks, ``group`` selects a subgroup, and ``op`` is a ``dist.ReduceOp`` (SUM, AVG, PRODUCT, MIN,
 MAX; AVG needs a floating dtype, as with NCCL). Every algorithm works for any world size and any
 tensor length, including lengths shorter than the world size, and leaves every rank with the
-same bits. Each call first checks, in one extra round, that all ranks passed the same shape and
-dtype (``check=False`` skips it), so a mismatch is a ValueError naming the ranks, not a hang.
+same bits. Each call checks that all ranks passed the same shape and dtype (``check=False``
+skips it), so a mismatch is a ValueError naming the ranks, not a hang: the rings (all-reduce,
+all-gather, reduce-scatter) and recursive doubling carry the check in their first message, the
+others send it first, in one extra round (:mod:`dmlbook.comm.shapecheck`).
 
 Inside ``with recording_sends() as sends:`` every message a rank sends is appended to ``sends`` as a
 :class:`Send` (collective, phase, step, src, dst, bytes, chunk); :func:`chunk_holdings` replays a
@@ -98,6 +100,12 @@ def _check_same_shape(comm: Comm, tensor: torch.Tensor, what: str) -> None:
     a mismatch is a ValueError on every rank, naming the ranks that disagree, never a hang."""
     if comm.size > 1:
         ShapeCheck(comm, tensor, what).exchange()
+
+
+def _carried_check(comm: Comm, tensor: torch.Tensor, what: str) -> ShapeCheck | None:
+    """The check an all-gather's or reduce-scatter's ring carries in its first message:
+    ``tensor`` is one chunk of the ring (None when alone in the group: nothing to check)."""
+    return ShapeCheck(comm, tensor, what, shard=True) if comm.size > 1 else None
 
 
 # --------------------------------------------------------------------------- public collectives
@@ -298,12 +306,13 @@ def all_gather(
     if not comm.member():
         return
     _check_list(tensor_list, comm.size, tensor, "tensor_list")
-    if check:
-        _check_same_shape(comm, tensor, "tensor shapes or dtypes")
+    # the check rides in the ring's first message
+    shapes = _carried_check(comm, tensor, "tensor shapes or dtypes") if check else None
     n = tensor.numel()
     flat = torch.empty(comm.size * n, dtype=tensor.dtype, device=tensor.device)
     flat[comm.rank * n : (comm.rank + 1) * n] = tensor.reshape(-1)
-    sliced_ring_all_gather(comm, flat, [(r * n, (r + 1) * n) for r in range(comm.size)])
+    chunks = [(r * n, (r + 1) * n) for r in range(comm.size)]
+    sliced_ring_all_gather(comm, flat, chunks, check=shapes)
     for r, out in enumerate(tensor_list):
         out.copy_(flat[r * n : (r + 1) * n].view(tensor.shape))
 
@@ -322,11 +331,12 @@ def reduce_scatter(
     if not comm.member():
         return
     _check_list(input_list, comm.size, output, "input_list")
-    if check:
-        _check_same_shape(comm, output, "output shapes or dtypes")
+    # the check rides in the ring's first message
+    shapes = _carried_check(comm, output, "output shapes or dtypes") if check else None
     n = output.numel()
     flat = torch.cat([t.reshape(-1) for t in input_list]) if n else output.new_empty(0)
-    sliced_ring_reduce_scatter(comm, flat, op, [(r * n, (r + 1) * n) for r in range(comm.size)])
+    chunks = [(r * n, (r + 1) * n) for r in range(comm.size)]
+    sliced_ring_reduce_scatter(comm, flat, op, chunks, check=shapes)
     comm.wait_all()  # its last sends
     mine = flat[comm.rank * n : (comm.rank + 1) * n]
     finish_avg(mine, op, comm.size)

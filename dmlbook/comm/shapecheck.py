@@ -10,18 +10,19 @@ rank, naming the ranks that disagree.
 Where the header travels matters more than its size. On loopback here one more message costs
 about as much as a 32 KiB one (0.1-0.2 ms on a busy 2-core machine, mostly the two processes
 waking up), so a separate round of header messages cost recursive doubling 1.8x its time at
-64 KiB. The ring and recursive doubling therefore send the header *inside their first message*:
-the ring's first slice (or recursive doubling's whole tensor, at a power-of-two world size)
-travels behind the header in one buffer, and the other ranks get the header alone, in parallel.
-Every receiver posts a buffer big enough for any first message (the header plus
-``INLINE_BYTES``): gloo accepts a message shorter than the buffer, and aborts the process on a
-longer one. Only after the headers agree does a rank post the receives sized from its own
-tensor. When they disagree, each rank first receives ("drains") what any peer had already sent
-it, sized from that peer's header (which also says how the peer started), so nothing is left on
-the wire, then raises.
+64 KiB. The ring collectives (all-reduce, all-gather, reduce-scatter) and recursive doubling
+therefore send the header *inside their first message*: the ring's first slice (or recursive
+doubling's whole tensor, at a power-of-two world size) travels behind the header in one buffer,
+and the other ranks get the header alone, in parallel. Every receiver posts a buffer big enough
+for any first message (the header plus ``INLINE_BYTES``): gloo accepts a message shorter than
+the buffer, and aborts the process on a longer one. Only after the headers agree does a rank
+post the receives sized from its own tensor. When they disagree, each rank first receives
+("drains") what any peer had already sent it, sized from that peer's header (which also says
+how the peer started), so nothing is left on the wire, then raises.
 
-Other collectives send the header alone (:meth:`ShapeCheck.exchange`): one message to every
-peer at once, one message's latency.
+The other collectives (broadcast, reduce, gather, scatter; the tree and naive all-reduces, and
+recursive doubling at a world size that is not a power of two) send the header alone first
+(:meth:`ShapeCheck.exchange`): one message to every peer at once, one message's latency.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ TAG = 1 << 20  # the first message's tag, clear of the algorithms' step numbers
 _WORDS = 5 + MAX_DIMS
 # How a rank started, so that a peer can drain what it sent: nothing yet (the header alone), a
 # ring's first slice to its right neighbour, or recursive doubling's whole tensor to its partner
-# (rank ^ 1), each behind the header (INLINE) or in messages of its own (APART).
-NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART = range(5)
+# (rank ^ 1), each behind the header (INLINE) or in messages of its own (APART). An all-reduce's
+# ring (RING) sends first one of the p chunks it cuts the header's tensor into; an all-gather's
+# or a reduce-scatter's (SHARD) sends a chunk of the header's tensor's size (the all-gather's
+# own tensor, the reduce-scatter's block of the output's shape).
+NONE, RING_INLINE, RING_APART, PAIR_INLINE, PAIR_APART, SHARD_INLINE, SHARD_APART = range(7)
+_INLINE = (RING_INLINE, PAIR_INLINE, SHARD_INLINE)
 _FORMAT = f"={_WORDS}q"  # the header's words, as native 8-byte integers
 HEADER_BYTES = struct.calcsize(_FORMAT)
 _CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
@@ -59,10 +64,14 @@ class ShapeCheck:
     this sits on the path of every small collective.
     """
 
-    def __init__(self, comm: Comm, tensor: torch.Tensor, what: str, wire=None) -> None:
+    def __init__(
+        self, comm: Comm, tensor: torch.Tensor, what: str, wire=None, shard: bool = False
+    ) -> None:
+        """``shard``: ``tensor`` is one ring chunk itself (an all-gather's input, a
+        reduce-scatter's output), not the tensor an all-reduce's ring cuts into p chunks."""
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"{comm.collective} supports tensors of up to {MAX_DIMS} dimensions")
-        self.comm, self.what, self.device = comm, what, tensor.device
+        self.comm, self.what, self.device, self.shard = comm, what, tensor.device, shard
         wire = wire or tensor.dtype
         # row r: rank r's header (peers' rows are filled in by verify)
         self.rows = [[0] * _WORDS for _ in range(comm.size)]
@@ -105,11 +114,16 @@ class ShapeCheck:
         self.comm.pending.append(self.pg.send([message], peer, TAG))
         self.comm.in_flight.append(message)
 
-    def ring_start(self, right: int, first: torch.Tensor | None, chunk: int) -> None:
-        """A ring's first message: the header with ``first`` (its first slice, already in the
-        wire dtype) behind it to ``right``, or alone when ``first`` is None; the header alone to
-        every other peer."""
-        self._start(RING_INLINE, RING_APART, right, first, chunk, 0, "reduce-scatter")
+    def ring_start(
+        self, right: int, first: torch.Tensor | None, chunk: int, phase: str = "reduce-scatter"
+    ) -> None:
+        """A ring's first message (step 0): the header with ``first`` (its first slice, already
+        in the wire dtype) behind it to ``right``, or alone when ``first`` is None; the header
+        alone to every other peer."""
+        if self.shard:
+            self._start(SHARD_INLINE, SHARD_APART, right, first, chunk, 0, phase)
+        else:
+            self._start(RING_INLINE, RING_APART, right, first, chunk, 0, phase)
 
     def pair_start(self, partner: int, data: torch.Tensor | None) -> None:
         """Recursive doubling's first message: the header with the whole tensor behind it to
@@ -141,7 +155,7 @@ class ShapeCheck:
             work.wait()
             header = buf[:HEADER_BYTES].cpu().numpy()  # .cpu(): the header is read on the host
             self.rows[peer] = list(struct.unpack(_FORMAT, header))
-            if self._target(peer) == comm.rank and self.rows[peer][4] in (RING_INLINE, PAIR_INLINE):
+            if self._target(peer) == comm.rank and self.rows[peer][4] in _INLINE:
                 inline = buf[HEADER_BYTES:]
         # dims, dtype, wire, numel and shape agree (word 4 says only how a rank started)
         first = self.rows[0]
@@ -157,7 +171,7 @@ class ShapeCheck:
     def _target(self, peer: int) -> int | None:
         """The rank ``peer`` sent data to before the check (None: nobody)."""
         start = self.rows[peer][4]
-        if start in (RING_INLINE, RING_APART):
+        if start in (RING_INLINE, RING_APART, SHARD_INLINE, SHARD_APART):
             return (peer + 1) % self.comm.size
         if start in (PAIR_INLINE, PAIR_APART):
             return peer ^ 1
@@ -177,13 +191,18 @@ class ShapeCheck:
     def _drain(self, peer: int) -> None:
         """Receive what ``peer`` sent this rank before it knew of the mismatch, sized from its
         header: the rest of a ring's first chunk (the rule :func:`ring_first_slices` applies on
-        the sender), or a partner's whole tensor."""
+        the sender; for an all-gather or a reduce-scatter, the chunk is the header's tensor),
+        or a partner's whole tensor."""
         dims, dtype, wire, numel, start = self.rows[peer][:5]
+        itemsize = DTYPES[dtype].itemsize
         if start == PAIR_APART:
             self.comm.recv(torch.empty(numel, dtype=DTYPES[wire], device=self.device), peer, 1)
-        elif start in (RING_INLINE, RING_APART):
-            sizes = ring_first_slices(numel, self.comm.size, peer, DTYPES[dtype].itemsize)
-            for a, b in sizes[1 if start == RING_INLINE else 0 :]:  # the inline one has come
+        elif start in (RING_INLINE, RING_APART, SHARD_INLINE, SHARD_APART):
+            if start in (SHARD_INLINE, SHARD_APART):
+                sizes = ring_slices(0, numel, itemsize)
+            else:
+                sizes = ring_first_slices(numel, self.comm.size, peer, itemsize)
+            for a, b in sizes[1 if start in _INLINE else 0 :]:  # the inline one has come
                 junk = torch.empty(b - a, dtype=DTYPES[wire], device=self.device)
                 self.comm.recv(junk, peer, 0)
 

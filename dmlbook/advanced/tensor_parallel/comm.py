@@ -26,16 +26,17 @@ the same shape and dtype: chapter 2's own check (:mod:`dmlbook.comm.shapecheck`,
 :mod:`dmlbook.comm.collectives` runs unless told ``check=False``), so that mismatched inputs (a
 batch of 2 on one rank and 3 on another) are the same ValueError on every rank, naming each
 rank's shape and saying which operator and pass found it, instead of a gloo abort. The ring
-all-reduce carries that check inside its first message, at no extra latency; an all-gather and
-a reduce-scatter send it first, alone, one message to every peer. The reduce-scatter along the
+all-reduce, all-gather and reduce-scatter carry that check inside their first message, at no
+extra latency (a collective without a ring sends it first, alone). The reduce-scatter along the
 sequence checks the whole ``(B, T, C)`` before cutting it into blocks, since a length that does
 not divide on one rank only would otherwise fail there alone (:func:`check_same_sequence_split`).
 A backward collective skips the check (``check=False``) only where forward's collective already
 checked the same shape: a gradient has its tensor's shape and dtype. What is left, measured by
 ``python -m dmlbook.bench tp-check`` on this project's busy 2-core CPU (gloo, loopback, 2 ranks,
-a 2-block char-GPT under TP + SP, 41 collectives a step of which 14 send their check in messages
-of their own), medians of paired steps: 3-3.5 ms a step (+17-21%) for a chapter-13-sized model,
-9-12 ms (+10-13%) for one 4x wider on a 4x longer sequence.
+a 2-block char-GPT under TP + SP, 41 collectives a step, 27 of them checked, of which only the 4
+whole-shape checks are messages of their own), medians of paired steps: about 3.3-3.4 ms a step
+(+19-20%) for a chapter-13-sized model, 2-4 ms (+2-5%) for one 4x wider on a 4x longer sequence
+(with the all-gather's and reduce-scatter's checks sent alone, as before: +21-22% and +9-10%).
 
 All communication goes through chapter 2's :mod:`dmlbook.comm.collectives`; ``group=`` picks the
 tensor-parallel process group as in ``torch.distributed`` (the TP dimension of a

@@ -441,6 +441,161 @@ def test_a_shape_that_changes_between_calls_is_an_error_on_every_rank(world):
         assert all("(wire torch.bfloat16)" in m for m in messages[3::5])
 
 
+def _gather_scatter_against_torch() -> list[str]:
+    """The ring all-gather and reduce-scatter, whose check rides in their first message, against
+    torch's own, with the first slice behind the header and (a small inline limit) apart."""
+    from dmlbook.comm import shapecheck
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    try:
+        for limit in (1 << 20, 16):  # 16 bytes: only the smallest first slices fit inline
+            shapecheck.INLINE_BYTES = limit
+            # 3/4 of the ring's slice size times p: each chunk travels as several slices
+            for n in (1, 3, 1000 + p, 3 * C.RING_SLICE_BYTES // 4 * p + 5):
+                dtypes = (torch.float32, torch.float64, torch.int64) if n < 10_000 else DTYPES[:1]
+                for dtype in dtypes:
+                    x = _input(rank, n, dtype, "SUM", salt=5).view(1, -1)  # 2-d
+                    ours = [torch.empty_like(x) for _ in range(p)]
+                    C.all_gather(ours, x)
+                    theirs = [torch.empty_like(x) for _ in range(p)]
+                    dist.all_gather(theirs, x)
+                    if not all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)):
+                        failures.append(f"rank {rank}: all_gather {dtype} n={n} limit={limit}")
+                    inputs = list(_input(rank, n * p, dtype, "SUM", salt=6).split(n))
+                    ours = torch.empty(n, dtype=dtype)
+                    C.reduce_scatter(ours, inputs)
+                    theirs = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(theirs, inputs)
+                    outs = [_input(r, n * p, dtype, "SUM", salt=6) for r in range(p)]
+                    want, scale = _reference(outs, "SUM")
+                    mine = slice(rank * n, (rank + 1) * n)
+                    if not (
+                        _close(ours, want[mine], scale[mine], p)
+                        and _close(ours, theirs, scale[mine], p, slack=2)
+                    ):
+                        failures.append(f"rank {rank}: reduce_scatter {dtype} n={n} limit={limit}")
+    finally:
+        shapecheck.INLINE_BYTES = 1 << 20
+    return failures
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_gather_and_reduce_scatter_carrying_the_check_match_torch(world):
+    assert [f for r in run(_gather_scatter_against_torch, world, timeout=200) for f in r] == []
+
+
+def _gather_scatter_mismatches() -> list:
+    """Mismatched all-gathers and reduce-scatters, each caught on every rank (with how long it
+    took), each followed by an equal call that must give torch's answer: nothing left on the
+    wire. Returns [(message or None, seconds, recovered)] per case."""
+    import time
+
+    from dmlbook.comm import shapecheck
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    big = 3 * C.RING_SLICE_BYTES // 4  # 3 MiB of fp32: three 1 MiB slices
+    cases = [  # (this rank's shape, its dtype, inline limit in bytes)
+        ((2, 3) if rank == 0 else (3, 2), torch.float32, 1 << 20),  # same numel, other shape
+        ((6,), torch.float64 if rank == p - 1 else torch.float32, 1 << 20),  # dtype
+        ((7 + (rank == 1),), torch.float32, 1 << 20),  # numel
+        ((2 + (rank == 1), 5, 4), torch.float32, 1 << 20),  # a batch of 2 on rank 0, 3 on 1
+        ((2 + (rank == 1), 5, 4), torch.float32, 32),  # first slices too big to go inline
+        ((big + (rank == 0),), torch.float32, 1 << 20),  # several slices, the first inline
+        ((big - (rank == 1),), torch.float32, 1 << 19),  # several slices, none inline
+        ((0 if rank == 1 else 5,), torch.float32, 1 << 20),  # an empty tensor on one rank
+    ]
+    results = []
+    try:
+        for collective in ("all_gather", "reduce_scatter"):
+            for shape, dtype, limit in cases:
+                shapecheck.INLINE_BYTES = limit
+                x = torch.ones(shape, dtype=dtype)
+                start = time.perf_counter()
+                try:
+                    if collective == "all_gather":
+                        C.all_gather([torch.empty_like(x) for _ in range(p)], x)
+                    else:
+                        C.reduce_scatter(torch.empty_like(x), [x.clone() for _ in range(p)])
+                    message = None
+                except ValueError as e:
+                    message = str(e)
+                seconds = time.perf_counter() - start
+                y = torch.full((5, 3), float(rank + 1))  # an equal call after the mismatch
+                if collective == "all_gather":
+                    got = [torch.empty_like(y) for _ in range(p)]
+                    C.all_gather(got, y)
+                    ok = all(torch.equal(g, torch.full((5, 3), r + 1.0)) for r, g in enumerate(got))
+                else:
+                    got = torch.empty_like(y)
+                    C.reduce_scatter(got, [y.clone() for _ in range(p)])
+                    ok = torch.equal(got, torch.full((5, 3), p * (p + 1) / 2))
+                results.append((message, seconds, ok))
+    finally:
+        shapecheck.INLINE_BYTES = 1 << 20
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_and_reduce_scatter_mismatch_is_an_error_on_every_rank(world):
+    results = run(_gather_scatter_mismatches, world, timeout=90)
+    for rank, cases in enumerate(results):
+        assert len(cases) == 16, (rank, cases)
+        for i, (message, seconds, recovered) in enumerate(cases):
+            what = "tensor shapes" if i < 8 else "output shapes"
+            assert message is not None and f"ranks passed different {what}" in message, (i, rank)
+            assert seconds < 10, (i, rank, seconds)  # an error, not a hang
+            assert recovered, (i, rank, message)
+        messages = [m for m, _, _ in cases]
+        assert "rank 0: (2, 3) torch.float32, rank 1: (3, 2)" in messages[0]
+        assert f"rank {world - 1}: (6,) torch.float64" in messages[1]
+        assert "rank 0: (2, 5, 4) torch.float32, rank 1: (3, 5, 4)" in messages[3]
+        shapes = [m[m.index("(") :] for m in messages]  # each rank's shape, the same both ways
+        assert shapes[0:8] == shapes[8:16]
+    # the same message on every rank
+    assert all([m for m, _, _ in r] == [m for m, _, _ in results[0]] for r in results)
+
+
+def _all_gather_header_messages() -> dict:
+    """The messages a checked and an unchecked all-gather and reduce-scatter send, counted at
+    the process group, where every message goes (``dist.isend`` and the shape check's header
+    alike; recording_sends leaves header messages out)."""
+    from unittest import mock
+
+    pg = dist.group.WORLD
+    counts = {}
+    for name, fn in (
+        ("all_gather", lambda x, **k: C.all_gather([torch.empty_like(x)] * 2, x, **k)),
+        ("reduce_scatter", lambda x, **k: C.reduce_scatter(torch.empty_like(x), [x, x], **k)),
+    ):
+        for check in (True, False):
+            sent = []
+            real_send = type(pg).send
+
+            def send(self, tensors, dst, tag, _real=real_send, _sent=sent):
+                _sent.append(tag)
+                return _real(self, tensors, dst, tag)
+
+            with mock.patch.object(type(pg), "send", send):
+                fn(torch.ones(10), check=check)
+            counts[name, check] = len(sent)
+    return counts
+
+
+def test_the_check_of_all_gather_and_reduce_scatter_sends_no_message_of_its_own():
+    """At world size 2, a 40-byte all-gather or reduce-scatter sends one message each way,
+    checked or not: the header travels in it."""
+    for counts in run(_all_gather_header_messages, 2, timeout=30):
+        assert counts == {
+            ("all_gather", True): 1,
+            ("all_gather", False): 1,
+            ("reduce_scatter", True): 1,
+            ("reduce_scatter", False): 1,
+        }, counts
+
+
 # --------------------------------------------------------------------------- algorithm="auto"
 
 
