@@ -79,6 +79,11 @@ def test_zb_h1_is_complete_deadlock_free_and_its_bubble_a_third_of_1f1b(stages):
         for s in range(stages):
             mine = pp.stage_actions(actions, s)
             assert [a.microbatch for a in mine if a.op == "W"] == list(range(microbatches))
+            # without its Ws, each stage runs 1F1B's order (chapter 6 says so)
+            assert [(a.op, a.microbatch) for a in mine if a.op != "W"] == [
+                (a.op, a.microbatch)
+                for a in pp.stage_actions(pp.one_f_one_b_schedule(stages, microbatches), s)
+            ]
             # held from F to W: at most min(P, M) on every stage, 1F1B's peak (its stage 0)
             assert _peak_held(actions, s) == min(stages, microbatches)
         if microbatches < stages:
