@@ -17,8 +17,9 @@
    previous stage waits for), computing no weight gradient; exercise 4, a subclass adding
    ``weight_gradient() -> {"w1", "b1", "w2", "b2"}`` (W, which can wait), from what the forward
    and B kept. Each is checked against autograd's one backward in float64 with autograd, the
-   library's split and every aten backward op switched off; matrix products are counted, so that
-   a B that also computes weight gradients, or a W that redoes B's products, is named
+   library's split and every aten backward op switched off; matrix products (and multiplies that
+   broadcast two factors into an outer product) are counted, so that a B that also computes
+   weight gradients or recomputes the forward, or a W that redoes B's products, is named
    (:mod:`dmlbook.model_parallel.backward_split` holds the library's split).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from math import prod
 from pathlib import Path
 
 import torch
@@ -394,7 +396,22 @@ _PRODUCTS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2), "m
              "addmv": (1, 2), "dot": (0, 1), "vdot": (0, 1)}  # fmt: skip
 
 
+# Multiplies whose two factors broadcast into a larger result are products too: g[:, :, None] *
+# x[:, None, :] is the outer product of each row, one multiply-add per number of the result
+# (summed over the rows afterwards, it is g^T x). An elementwise multiply is not counted.
+_BROADCAST_PRODUCTS = {"mul": (0, 1), "addcmul": (1, 2)}
+
+
 def _multiply_adds(name: str, args: tuple) -> int:
+    if name in _BROADCAST_PRODUCTS:
+        factors = [args[i] for i in _BROADCAST_PRODUCTS[name] if isinstance(args[i], torch.Tensor)]
+        if len(factors) < 2:
+            return 0
+        try:
+            result = prod(torch.broadcast_shapes(*(f.shape for f in factors)))
+        except RuntimeError:
+            return 0  # no shapes to broadcast: the op itself raises its own error
+        return result if result > max(f.numel() for f in factors) else 0
     if name not in _PRODUCTS:
         return 0
     i, j = _PRODUCTS[name]
@@ -405,11 +422,13 @@ def _multiply_adds(name: str, args: tuple) -> int:
 class _LibraryBackwardOff(TorchDispatchMode):
     """While the learner's code runs: every aten op named ``*_backward*`` (a library backward,
     however it is reached: ``torch.ops.aten.linear_backward``, ``torch.ops.aten.tanh_backward``,
-    ...) raises :class:`SwitchedOff`, and the multiply-adds of matrix products are counted."""
+    ...) raises :class:`SwitchedOff`, and the multiply-adds of matrix products are counted, with
+    the shapes that products and sums made (a weight's shape: a weight gradient, probably)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.multiply_adds = 0
+        self.made: set[tuple[int, ...]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
@@ -419,8 +438,12 @@ class _LibraryBackwardOff(TorchDispatchMode):
                 "backward, which does the very job you are asked to write (on CPU some have no "
                 "kernel at all). Write the mechanism yourself, with matrix products"
             )
-        self.multiply_adds += _multiply_adds(name, args)
-        return func(*args, **(kwargs or {}))
+        counted = _multiply_adds(name, args)
+        self.multiply_adds += counted
+        out = func(*args, **(kwargs or {}))
+        if (counted or name == "sum") and isinstance(out, torch.Tensor):
+            self.made.add(tuple(out.shape))
+        return out
 
 
 @contextmanager
@@ -499,20 +522,31 @@ def _tensors_in(value: object, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item, depth + 1)
 
 
-def _b_did_w(block: object, params: dict, ref: dict, extra: int, case: str) -> None:
-    """Fail if B computed a weight gradient: more products than the two that carry the gradient
-    to x, a kept tensor equal to a weight's gradient, or a ``.grad`` written."""
+def _b_did_w(block: object, params: dict, ref: dict, mode: _LibraryBackwardOff, needed: int,
+             case: str) -> None:  # fmt: skip
+    """Fail if B did more than the two products that carry the gradient to x: a ``.grad``
+    written, a kept tensor equal to a weight's gradient, or more products, named as weight
+    gradients where a product or a sum made a tensor of a weight's shape, else as work B need not
+    do (recomputing the forward, say)."""
     kept = list(_tensors_in(dict(vars(block)) if hasattr(block, "__dict__") else {}))
     found = [k for k in ("w1", "w2") if any(_same(t, ref[k]) for t in kept)]
     graded = [k for k, p in params.items() if p.grad is not None]
+    extra = mode.multiply_adds - needed
+    more = f"ran {extra} multiply-adds more than the two products that carry the gradient to x"
+    shaped = [k for k in ("w1", "w2") if tuple(params[k].shape) in mode.made]
+    if extra > 0 and not (found or graded or shaped):
+        raise ExerciseFailed(
+            f"on {case}: your B {more} (recomputing the forward?). B is on the critical "
+            "path: the previous stage waits for grad_x, so B runs those two products and no "
+            "more; what it needs from the forward, the forward keeps"
+        )
     if extra > 0 or found or graded:
         how = (
             f"it wrote .grad of {', '.join(graded)}"
             if graded
             else f"it keeps the gradient of {found[0]}"
             if found
-            else f"it ran {extra} multiply-adds more than the two products that carry the "
-            "gradient to x"
+            else f"it {more}, and made a tensor of {shaped[0]}'s shape"
         )
         raise ExerciseFailed(
             f"on {case}: your B computed weight gradients too ({how}). That is W's work: B is on "
@@ -550,7 +584,7 @@ def _run_block_b(fn: Callable, case: str, params: dict, x, grad_y, ref: dict):
         )
     if not _same(grad_x, want):
         raise ExerciseFailed(f"on {case}: {_diagnose_b(grad_x, params, grad_y, ref)}")
-    _b_did_w(block, params, ref, mode.multiply_adds - needed, case)
+    _b_did_w(block, params, ref, mode, needed, case)
     return block
 
 
@@ -558,13 +592,19 @@ def _diagnose_b(grad_x, params: dict, grad_y, ref: dict) -> str:
     """Name the cause of a wrong grad_x: a transposed weight, tanh's derivative missing or taken
     at the wrong tensor."""
     w1, w2, h, a = params["w1"], params["w2"], ref["h"], ref["a"]
+    tanh = "tanh'(h) = 1 - tanh(h)^2 = 1 - a^2, from the a your forward kept"
     square = w1.shape[0] == w1.shape[1] and w2.shape[0] == w2.shape[1]
     slips = {
         "tanh's derivative is missing: between the two layers the gradient passes through tanh, "
         "which scales each number by tanh'(h)": (grad_y @ w2) @ w1,
         "tanh's derivative is taken at the wrong tensor: 1 - h^2 uses the pre-activation h, "
-        "but tanh'(h) = 1 - tanh(h)^2 = 1 - a^2": ((grad_y @ w2) * (1 - h**2)) @ w1,
-        "tanh's derivative is tanh'(h) = 1 - a^2, not a or 1 - a": ((grad_y @ w2) * a) @ w1,
+        f"but {tanh}": ((grad_y @ w2) * (1 - h**2)) @ w1,
+        f"tanh's derivative is taken at a, tanh's output (1 - tanh(a)^2): {tanh}": (
+            (grad_y @ w2) * (1 - torch.tanh(a) ** 2)
+        )
+        @ w1,
+        f"tanh's derivative is not a: {tanh}": ((grad_y @ w2) * a) @ w1,
+        f"tanh's derivative is not 1 - a: {tanh}": ((grad_y @ w2) * (1 - a)) @ w1,
         "it stops at layer 1's output h: the gradient of x goes on back through layer 1, by W1": (
             grad_y @ w2
         )
@@ -662,8 +702,9 @@ def check_input_gradient(block_class: Callable[..., object]) -> str:
     keeps what its backward needs and whose ``input_gradient(grad_y)`` is B: ``grad_x`` against
     autograd's one backward in float64 on four shapes, with autograd and every library backward
     switched off. A wrong answer is explained (a transposed weight, tanh's derivative missing
-    or taken at h, a wrong shape, and B that computes weight gradients too: more products than
-    the two that reach x, a kept weight gradient or a ``.grad`` written)."""
+    or taken at h or a, a wrong factor, a wrong shape, B that computes weight gradients too: more
+    products than the two that reach x making a weight's shape, a kept weight gradient or a
+    ``.grad`` written, and B that runs other products, recomputing the forward, say)."""
     for seed, (case, leading, fan_in, hidden, fan_out) in enumerate(_BLOCK_CASES):
         params, x, grad_y, ref = _block_case(seed, leading, fan_in, hidden, fan_out)
         _run_block_b(block_class, case, params, x, grad_y, ref)

@@ -185,10 +185,11 @@ def interleaved_schedule(stages: int, microbatches: int, chunks: int = 2) -> lis
 
 def zb_h1_schedule(stages: int, microbatches: int) -> list[Action]:
     """ZB-H1 (Qi et al. 2023): 1F1B with backward split into B (input gradient) and W (weight
-    gradient), where stage s runs each W right after its B, except that it holds its first s Ws
-    back and runs them at the end: where 1F1B's stage s idles while the backwards drain up to
-    it, ZB-H1's runs the Ws it kept. Stage s warms up like 1F1B (P - s - 1 forwards); a micro-batch
-    is held from its F to its W, at most min(P, M) at once on every stage (1F1B's stage 0)."""
+    gradient), where stage s runs each W s micro-batches behind its B (W m-s right after B m),
+    so that its last s Ws are left for the cool-down: where 1F1B's stage s > 0 idles while the
+    last backwards climb up to it, ZB-H1's runs those Ws. Stage 0 runs every W right after its B.
+    Stage s warms up like 1F1B (P - s - 1 forwards); a micro-batch is held from its F to its W,
+    at most min(P, M) at once on every stage (1F1B's stage 0)."""
     check_sizes(stages, microbatches)
     actions = []
     for stage in range(stages):
@@ -197,7 +198,7 @@ def zb_h1_schedule(stages: int, microbatches: int) -> list[Action]:
         for i in range(microbatches):
             if warmup + i < microbatches:  # steady state: one forward, ...
                 ops.append(("F", warmup + i))
-            ops.append(("B", i))  # ... one input gradient, and the W held back s ops ago
+            ops.append(("B", i))  # ... one input gradient, and the W of s micro-batches ago
             if i >= stage:
                 ops.append(("W", i - stage))
         ops += [("W", mb) for mb in range(max(microbatches - stage, 0), microbatches)]  # cool-down

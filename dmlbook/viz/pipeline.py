@@ -99,7 +99,8 @@ def gantt(
     as :func:`dmlbook.model_parallel.schedules.format_schedule` writes it, in smaller type (the
     boxes are 1/v as wide), and a later chunk's boxes are paler, as the legend says.
     The legend names forward and backward always, or with ``legend_present_only`` (serving, which
-    has no backward) only the kinds of op drawn.
+    has no backward) only the kinds of op drawn; where a W op is drawn (a zero-bubble schedule),
+    it names B "B: input gradient" and W "W: weight gradient".
     """
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     rows = len(timelines)
@@ -144,7 +145,9 @@ def gantt(
     always = () if legend_present_only else ("F", "B")
     ops = [op for op in GANTT_COLOURS if op in present or op in always]
     handles = [plt.Rectangle((0, 0), 1, 1, color=GANTT_COLOURS[op]) for op in ops]
-    names = [_GANTT_NAMES[op] for op in ops]
+    # Where the backward is split, its colours name its two halves
+    split = {"B": "B: input gradient", "W": "W: weight gradient"} if "W" in present else {}
+    names = [split.get(op, _GANTT_NAMES[op]) for op in ops]
     for chunk in range(1, chunks):  # the paler boxes: a later model chunk of the stage
         handles.append(plt.Rectangle((0, 0), 1, 1, color=paler("0.35", chunk)))
         names.append(f"paler: chunk {chunk}")
@@ -178,7 +181,8 @@ def idle_gaps(
                         color="w", edgecolor="0.55", hatch="///", lw=0.5)  # fmt: skip
                 idle += start - edge
             edge = max(edge, end)
-        total = f"{idle:g} slots" if unit == "slot" else f"{idle * scale:.0f} {unit}"
+        slots = "slot" if idle == 1 else "slots"
+        total = f"{idle:g} {slots}" if unit == "slot" else f"{idle * scale:.0f} {unit}"
         ax.text((t1 - t0) * scale, row, f" {total} idle", va="center", fontsize=7)
     ax.set_xlim(0, (t1 - t0) * scale * 1.2)  # room for the idle totals
     if unit == "slot":

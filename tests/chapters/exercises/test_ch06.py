@@ -2,12 +2,13 @@
 too long or too short, no min() for M < P, a B before its F, micro-batches out of turn; micro-batch
 losses not scaled by 1/M, gradients zeroed between micro-batches, the whole batch in one forward,
 one backward of the summed losses, the summed, last or a tensor loss returned; a Linear -> tanh ->
-Linear block's B with a weight transposed, tanh's derivative missing or taken at h, or computing
-weight gradients too; its W transposed, from h instead of a, from the gradient at a instead of h,
+Linear block's B with a weight transposed, tanh's derivative missing, taken at h or a or 1 - a,
+computing weight gradients too (by products or by broadcasting, kept or stashed elsewhere), or
+recomputing the forward; its W transposed, from h instead of a, from the gradient at a instead of h,
 from x's wrong stand-in, a bias not summed, a mean, leading dims not flattened, B's product
-redone) are caught with a message that says so, and no order hint prints the expected order; an
-answer that calls the library (or autograd) is told to write the mechanism
-(``DELEGATING_ANSWERS``, run by ``test_back_doors.py``)."""
+redone, by a product or by broadcasting) are caught with a message that says so, and no order
+hint prints the expected order; an answer that calls the library (or autograd) is told to write
+the mechanism (``DELEGATING_ANSWERS``, run by ``test_back_doors.py``)."""
 
 import pytest
 import torch
@@ -355,9 +356,33 @@ class BBroadcastsW(Block):  # no matrix product counted, but it keeps a weight g
         return grad_x
 
 
+STASH = []  # somewhere outside the block, where the checker's look at what B keeps does not reach
+
+
+class BStashesBroadcastW1(Block):  # W1's gradient by broadcasting, kept outside the block
+    def input_gradient(self, grad_y):
+        grad_x = super().input_gradient(grad_y)
+        gh, x = _rows(self.grad_h), _rows(self.x)
+        STASH.append((gh[:, :, None] * x[:, None, :]).sum(0))  # (hidden, in): W1's gradient
+        return grad_x
+
+
+class BRecomputesForward(Block):  # not a weight gradient: the forward again, on the critical path
+    def forward(self, x):
+        self.x = x
+        return torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T + self.b2
+
+    def input_gradient(self, grad_y):
+        self.a = torch.tanh(self.x @ self.w1.T + self.b1)
+        return super().input_gradient(grad_y)
+
+
 class ForwardWrong(Block):
     def forward(self, x):
         return super().forward(x) - self.b2
+
+
+TANH = "tanh'\\(h\\) = 1 - tanh\\(h\\)\\^2 = 1 - a\\^2, from the a your forward kept"
 
 
 @pytest.mark.parametrize(
@@ -372,13 +397,28 @@ class ForwardWrong(Block):
         (BComputesW, "B computed weight gradients too \\(it ran .* multiply-adds more"),
         (BWritesGrad, "B computed weight gradients too \\(it wrote .grad of w2"),
         (BBroadcastsW, "B computed weight gradients too \\(it keeps the gradient of w2"),
+        (
+            BStashesBroadcastW1,
+            "B computed weight gradients too \\(it ran 80 multiply-adds more.*"
+            "made a tensor of w1's shape",
+        ),
+        (
+            BRecomputesForward,
+            "your B ran 80 multiply-adds more than the two products that carry "
+            "the gradient to x \\(recomputing the forward\\?\\)",
+        ),
+        (_b(lambda s, g: ((g @ s.w2) * (1 - s.a)) @ s.w1), "not 1 - a: " + TANH),
+        (_b(lambda s, g: ((g @ s.w2) * s.a) @ s.w1), "not a: " + TANH),
+        (_b(lambda s, g: ((g @ s.w2) * (1 - s.a.tanh() ** 2)) @ s.w1), "taken at a.*" + TANH),
         (ForwardWrong, "your forward's y differs"),
         (_b(lambda s, g: s.grad_h[..., :1]), "grad_x must have x's shape"),
     ],
 )
 def test_input_gradient_catches_planted_bugs(answer, message):
-    with pytest.raises(ExerciseFailed, match=message):
+    with pytest.raises(ExerciseFailed, match=message) as raised:
         ch06.check_input_gradient(answer)
+    if answer is BRecomputesForward:  # extra products that are no weight gradient: not called one
+        assert "weight gradient" not in str(raised.value)
 
 
 def _w(**wrong):  # a W that returns the right gradients but for those named in wrong
@@ -400,6 +440,25 @@ class WRedoesB(Split):
     def weight_gradient(self):
         self.grad_h = (self.grad_y @ self.w2) * (1 - self.a**2)  # B's product again
         return super().weight_gradient()
+
+
+class WRedoesBByBroadcasting(Split):  # grad_y W2 again, as a multiply-and-sum
+    def weight_gradient(self):
+        gy = _rows(self.grad_y)
+        grad_a = (gy[:, :, None] * self.w2[None]).sum(1)  # (rows, out, hidden) summed over out
+        self.grad_h = (grad_a * (1 - _rows(self.a) ** 2)).reshape(self.grad_h.shape)
+        return super().weight_gradient()
+
+
+class SplitByBroadcasting(Split):  # the weight products as multiply-and-sum: the same work
+    def weight_gradient(self):
+        gy, gh, a, x = _rows(self.grad_y), _rows(self.grad_h), _rows(self.a), _rows(self.x)
+        return {"w1": (gh[:, :, None] * x[:, None, :]).sum(0), "b1": gh.sum(0),
+                "w2": (gy[:, :, None] * a[:, None, :]).sum(0), "b2": gy.sum(0)}  # fmt: skip
+
+
+def test_a_product_by_broadcasting_counts_as_one():
+    assert ch06.check_weight_gradient(SplitByBroadcasting).status == "passed"
 
 
 class WWithoutWhatBKept(Block):
@@ -436,6 +495,7 @@ class WWithoutWhatBKept(Block):
             "W returns a dict with the keys .*biases are parameters too",
         ),  # fmt: skip
         (WRedoesB, "W ran .* multiply-adds more than the two weight products"),
+        (WRedoesBByBroadcasting, "W ran 80 multiply-adds more than the two weight products"),
         (WWithoutWhatBKept, "raised AttributeError"),
     ],
 )

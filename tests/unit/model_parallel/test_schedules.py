@@ -155,7 +155,7 @@ def test_gantt_draws_w_and_names_chunks_and_held_counts_until_w():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dmlbook.viz.pipeline import gantt, held_activations
+    from dmlbook.viz.pipeline import gantt, held_activations, idle_gaps
 
     interleaved = _unit_ops(pp.interleaved_schedule(2, 2, chunks=2), 2)
     ax = gantt(interleaved)
@@ -163,7 +163,16 @@ def test_gantt_draws_w_and_names_chunks_and_held_counts_until_w():
     plt.close(ax.figure)
     zb = _unit_ops(pp.zb_h1_schedule(3, 4), 3)
     ax = gantt(zb)
-    assert "weight gradient" in [t.get_text() for t in ax.get_legend().get_texts()]
+    # a split backward's colours name its halves; an unsplit one is "backward"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["forward", "B: input gradient", "W: weight gradient"], legend
+    plt.close(ax.figure)
+    ax = gantt(_unit_ops(pp.one_f_one_b_schedule(3, 4), 3))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward"]
+    plt.close(ax.figure)
+    ax = idle_gaps(_unit_ops(pp.zb_h1_schedule(2, 4), 2), unit="slot")  # P - 1 = 1 slot each
+    idle = [t.get_text() for t in ax.texts if "idle" in t.get_text()]
+    assert idle == [" 1 slot idle"] * 2, idle
     plt.close(ax.figure)
     ax = held_activations(zb)
     assert [max(line.get_ydata()) for line in ax.get_lines()] == [3, 3, 3]  # min(P, M)
