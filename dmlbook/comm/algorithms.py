@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from dmlbook.comm.groups import RING_SLICE_BYTES, ring_schedule, ring_slices
 from dmlbook.comm.p2p import Comm, combine, scratch_buffer
-from dmlbook.comm.shapecheck import ShapeCheck, fits_inline
+from dmlbook.comm.shapecheck import ShapeCheck
 from dmlbook.comm.trace import Send
 
 __all__ = [
@@ -202,7 +202,7 @@ def sliced_ring_reduce_scatter(
     else:
         check.post_receives()
         head = slices[first][:1]
-        inline = bool(head) and fits_inline((head[0][1] - head[0][0]) * wire.itemsize)
+        inline = bool(head) and check.carries((head[0][1] - head[0][0]) * wire.itemsize)
         check.ring_start(right, on_wire(*head[0]) if inline else None, first)
         for a, b in slices[first][1 if inline else 0 :]:
             comm.isend(on_wire(a, b), right, 0, "reduce-scatter", first)
@@ -266,7 +266,7 @@ def sliced_ring_all_gather(
     else:
         check.post_receives()
         head = slices[rank][:1]
-        inline = bool(head) and fits_inline((head[0][1] - head[0][0]) * flat.element_size())
+        inline = bool(head) and check.carries((head[0][1] - head[0][0]) * flat.element_size())
         check.ring_start(right, flat[slice(*head[0])] if inline else None, rank, "all-gather")
         for a, b in slices[rank][1 if inline else 0 :]:
             comm.isend(flat[a:b], right, step0, "all-gather", rank)
@@ -353,7 +353,7 @@ def recursive_doubling_all_reduce(
     if check is not None and extra == 0:  # round one: header + tensor, one message each way
         partner = rank ^ 1
         check.post_receives()
-        inline = fits_inline(flat.numel() * flat.element_size())
+        inline = check.carries(flat.numel() * flat.element_size())
         check.pair_start(partner, flat if inline else None)
         if not inline:
             comm.isend(flat, partner, 1, "exchange")

@@ -36,7 +36,7 @@ import torch
 from dmlbook.comm.groups import balanced_blocks, ring_slices
 from dmlbook.comm.p2p import DTYPES, Comm
 
-__all__ = ["INLINE_BYTES", "ShapeCheck", "fits_inline"]
+__all__ = ["INLINE_BYTES", "ShapeCheck"]
 
 MAX_DIMS = 8
 INLINE_BYTES = 1 << 20  # a ring's first slice up to this size travels behind the header
@@ -130,9 +130,16 @@ class ShapeCheck:
         ``partner`` (or alone when ``data`` is None); the header alone to the others."""
         self._start(PAIR_INLINE, PAIR_APART, partner, data, None, 1, "exchange")
 
+    def carries(self, nbytes: int) -> bool:
+        """Whether a first message of ``nbytes`` travels behind the header: it fits, and the
+        device takes a message shorter than its buffer (gloo's CPU tensors). The one place the
+        callers and :meth:`ring_start`/:meth:`pair_start` decide it, so that a slice not carried
+        is sent on its own."""
+        return self.can_inline and fits_inline(nbytes)
+
     def _start(self, inline, apart, target, data, chunk, step, phase) -> None:
-        if not self.can_inline:
-            data = None
+        if data is not None and not self.carries(data.numel() * data.element_size()):
+            raise ValueError("a first message too large or on a device that cannot carry it")
         self.rows[self.comm.rank][4] = apart if data is None else inline
         for peer in range(self.comm.size):
             if peer != self.comm.rank:

@@ -91,8 +91,9 @@ def compare_schemes(per_rank: list[dict]) -> dict[str, dict]:
 
     Returns, per scheme: ``accuracy`` (test set), ``loss`` (per step, mean over ranks),
     ``wire_bytes`` and ``segments`` (measured TCP payload and segments, summed over ranks),
-    ``hook_bytes`` and ``collectives`` (the hooks' own count, summed), ``wire_vs_fp32`` (when fp32
-    ran) and ``ranks_agree`` (every rank ended with bit-identical parameters).
+    ``hook_bytes`` (the hooks' own count, summed), ``collectives`` (rank 0's count: every rank
+    runs as many), ``wire_vs_fp32`` (when fp32 ran) and ``ranks_agree`` (every rank ended with
+    bit-identical parameters).
     """
     table = {}
     for name in per_rank[0]:

@@ -47,6 +47,7 @@ __all__ = [
     "STORE",
     "Channel",
     "Shown",
+    "interrupt_after",
     "stack_file",
 ]
 
@@ -81,16 +82,17 @@ class Channel:
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock, _interrupt_after():
+        with self._lock, interrupt_after():
             self.sock.sendall(_HEADER.pack(len(data)) + data)
 
     def recv(self) -> Any:
-        """The next message, or None once the other end has closed."""
-        with _interrupt_after():  # the caller reads in its main thread, where Ctrl-C lands
-            header = self._read(_HEADER.size)
-            if header is None:
-                return None
-            data = self._read(_HEADER.unpack(header)[0])
+        """The next message, or None once the other end has closed. A caller that reads in its
+        main thread, where Ctrl-C lands, holds it around this and what it does with the message
+        (:func:`interrupt_after`), so that a message read is never dropped."""
+        header = self._read(_HEADER.size)
+        if header is None:
+            return None
+        data = self._read(_HEADER.unpack(header)[0])
         return None if data is None else pickle.loads(data)
 
     def _read(self, size: int) -> bytes | None:
@@ -108,7 +110,7 @@ class Channel:
 
 
 @contextlib.contextmanager
-def _interrupt_after():
+def interrupt_after():
     """Hold a Ctrl-C (SIGINT) until the block is done, so a message is never cut in half."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers run in the main thread only

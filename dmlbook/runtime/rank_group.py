@@ -126,6 +126,7 @@ class RankGroup:
         self.channels: list[protocol.Channel] = []  # the caller's end of each rank's channel
         self.waiting = selectors.DefaultSelector()  # the channels still open, keyed by rank
         self.reports: dict[int, dict] = {}  # rank -> the report it sent as it failed and exited
+        self.unread: list[tuple[int, Any]] = []  # read, not yet returned (a Ctrl-C came)
         self.output: queue.Queue = queue.Queue()
         self.pumps: list[threading.Thread] = []
         self.stderr_pumps: dict[int, threading.Thread] = {}
@@ -252,18 +253,20 @@ class RankGroup:
         as it fails (``("error", START, report)``) is also kept for :meth:`failure`.
         """
         self.drain_output()
-        messages = []
-        for key, _ in self.waiting.select(timeout):
-            rank = key.data
-            try:
-                message = self.channels[rank].recv()
-            except (OSError, EOFError, pickle.UnpicklingError):
-                message = None
-            if message is None:
-                self.waiting.unregister(key.fileobj)
-            elif message[:2] == ("error", protocol.START):
-                self.reports[rank] = message[2]
-            messages.append((rank, message))
+        ready = self.waiting.select(0 if self.unread else timeout)  # a Ctrl-C here loses nothing
+        with protocol.interrupt_after():  # one that lands while reading waits until it is kept
+            for key, _ in ready:
+                rank = key.data
+                try:
+                    message = self.channels[rank].recv()
+                except (OSError, EOFError, pickle.UnpicklingError):
+                    message = None
+                if message is None:
+                    self.waiting.unregister(key.fileobj)
+                elif message[:2] == ("error", protocol.START):
+                    self.reports[rank] = message[2]
+                self.unread.append((rank, message))
+        messages, self.unread = self.unread, []  # a Ctrl-C raised above leaves them for the next
         return messages
 
     def drain_output(self) -> None:

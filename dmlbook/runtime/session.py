@@ -56,7 +56,7 @@ from dmlbook.runtime.failures import classify_failure, first_failure
 from dmlbook.runtime.protocol import START
 from dmlbook.runtime.rank_group import RankGroup, resolve_backend
 
-__all__ = ["Ranks"]
+__all__ = ["RankStatus", "Ranks"]
 
 INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks may take to answer
 STREAM_AFTER_S = 1.0  # a request's output is shown rank by rank; after this long, as it comes

@@ -434,7 +434,7 @@ def checkpoint_reads(
 ) -> plt.Axes:
     """One 2-D tensor of a checkpoint (rows down, columns across): each slice the checkpoint holds
     (``saved``, ``(offsets, sizes)`` as DCP's metadata lists them, or ``(offsets, sizes,
-    writer)`` as :func:`~dmlbook.advanced.composition.checkpoint.saved_chunks` does) in its own
+    writer)`` as :func:`~dmlbook.advanced.composition.checkpoint.saved_slices` does) in its own
     colour, named by its index or its writer's rank, and each rank of the loading layout's
     slice (``reads``, rank -> ``(offsets, sizes)``) as a dashed box naming the ranks that read
     it and the saved slices it overlaps. Chapter 13 draws a checkpoint saved at ``tp4`` and

@@ -115,7 +115,7 @@ def gantt(
 
     inside = 5.5 if chunks > 1 else 7  # the type size of a number inside its box
 
-    def paler(colour: str, chunk: int) -> tuple:  # chunk c of v: c / v of the way to white
+    def paler(colour: str, chunk: int) -> tuple:  # chunk c of v: 0.6 c / (v - 1) to white
         rgb = mcolors.to_rgb(colour)
         return tuple(x + (1 - x) * 0.6 * chunk / max(chunks - 1, 1) for x in rgb)
 

@@ -55,7 +55,7 @@ __all__ = [
     "load_and_train",
     "load_composed",
     "save_composed",
-    "saved_chunks",
+    "saved_slices",
     "train_and_save",
 ]
 
@@ -79,7 +79,8 @@ class Read(NamedTuple):
 
 
 def writer_of(file: str) -> int:
-    """The saving rank of a DCP file: ``FileSystemWriter`` names rank r's files ``__r_n.distcp``."""
+    """The saving rank of a DCP file: ``FileSystemWriter`` names rank r's files ``__r_n.distcp``,
+    r being the rank in the group that saved (here the whole world: every save is a job's)."""
     return int(file.split("_")[2])
 
 
@@ -168,7 +169,7 @@ def load_composed(composed: Composed, directory: str | os.PathLike) -> list[Read
     ]  # fmt: skip
 
 
-def saved_chunks(directory: str | os.PathLike, key: str) -> list[SavedSlice]:
+def saved_slices(directory: str | os.PathLike, key: str) -> list[SavedSlice]:
     """The slices of ``key`` (e.g. ``"model.wte.weight"``) that a checkpoint holds, as DCP's
     metadata lists them, one per slice written: offsets and sizes in the stored shape, and the
     rank whose file holds it."""

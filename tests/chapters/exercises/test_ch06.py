@@ -461,6 +461,17 @@ def test_a_product_by_broadcasting_counts_as_one():
     assert ch06.check_weight_gradient(SplitByBroadcasting).status == "passed"
 
 
+class SplitBiasByOnes(Block):  # the biases as products with a vector of ones: no work redone
+    def weight_gradient(self):
+        gy, gh, a, x = _rows(self.grad_y), _rows(self.grad_h), _rows(self.a), _rows(self.x)
+        ones = torch.ones(len(gy), dtype=gy.dtype)
+        return {"w1": gh.T @ x, "b1": ones @ gh, "w2": gy.T @ a, "b2": ones @ gy}
+
+
+def test_a_bias_as_a_product_with_ones_is_not_work_redone():
+    assert ch06.check_weight_gradient(SplitBiasByOnes).status == "passed"
+
+
 class WWithoutWhatBKept(Block):
     def input_gradient(self, grad_y):
         return ((grad_y @ self.w2) * (1 - self.a**2)) @ self.w1  # keeps nothing for W

@@ -502,7 +502,7 @@ def _gather_scatter_mismatches() -> list:
         ((7 + (rank == 1),), torch.float32, 1 << 20),  # numel
         ((2 + (rank == 1), 5, 4), torch.float32, 1 << 20),  # a batch of 2 on rank 0, 3 on 1
         ((2 + (rank == 1), 5, 4), torch.float32, 32),  # first slices too big to go inline
-        ((big + (rank == 0),), torch.float32, 1 << 20),  # several slices, the first inline
+        ((big + (rank == 0),), torch.float32, 1 << 20),  # mixed: rank 0's first apart, 1's inline
         ((big - (rank == 1),), torch.float32, 1 << 19),  # several slices, none inline
         ((0 if rank == 1 else 5,), torch.float32, 1 << 20),  # an empty tensor on one rank
     ]
@@ -628,3 +628,38 @@ def test_auto_chooses_by_size_at_every_world_size():
     assert C.choose_all_reduce(big, 3) == "ring"
     # p = 2: the same bytes, but recursive doubling adds the whole tensor where the ring adds half
     assert [C.choose_all_reduce(n, 2) for n in (small, big)] == ["recursive_doubling", "ring"]
+
+
+def _checked_where_nothing_rides_inline() -> list[list[float]]:
+    """Every checked collective whose first message may carry data, on a device that cannot
+    carry it (NCCL needs equal message sizes: the header then travels alone): the slice must
+    still be sent on its own, or the receiver waits for it for ever."""
+    from unittest import mock
+
+    from dmlbook.comm import shapecheck
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    real_init = shapecheck.ShapeCheck.__init__
+
+    def like_nccl(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.can_inline = False
+
+    with mock.patch.object(shapecheck.ShapeCheck, "__init__", like_nccl):
+        x = torch.arange(6.0) + rank
+        gathered = [torch.empty(6) for _ in range(p)]
+        C.all_gather(gathered, x)
+        out = torch.empty(6)
+        C.reduce_scatter(out, [x.clone() for _ in range(p)])
+        ring, doubling = x.clone(), x.clone()
+        C.all_reduce(ring, algorithm="ring")
+        C.all_reduce(doubling, algorithm="recursive_doubling")
+    return [t.tolist() for t in (*gathered, out, ring, doubling)]
+
+
+@pytest.mark.timeout(60)
+def test_a_slice_the_device_cannot_carry_behind_the_header_is_sent_on_its_own():
+    for got in run(_checked_where_nothing_rides_inline, 2, timeout=30):
+        x0, x1 = torch.arange(6.0), torch.arange(6.0) + 1
+        assert got[:2] == [x0.tolist(), x1.tolist()]
+        assert got[2] == (x0 + x1).tolist() == got[3] == got[4]

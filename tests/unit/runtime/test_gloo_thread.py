@@ -144,42 +144,6 @@ def test_groups_made_later_follow_the_setting(monkeypatch):
         assert torch.equal(x, torch.full((5,), 2.0))
 
 
-def test_no_teaching_module_calls_the_workaround():
-    """The policy follows new groups by itself: the modules that make groups do not call it."""
-    from pathlib import Path
-
-    import dmlbook
-
-    root = Path(dmlbook.__file__).parent
-    for package in ("comm", "data_parallel", "model_parallel", "advanced"):
-        for path in (root / package).rglob("*.py"):
-            assert "follow_env" not in path.read_text(), path
-
-
-def _watcher_cost(seconds: float):
-    """CPU seconds the watcher thread used over ``seconds`` of a rank's life, with a group made
-    (a new loop thread) halfway."""
-    from dmlbook.cpu_wait import scheduler_clock
-
-    (watcher,) = [t for t in threading.enumerate() if t.name == "dmlbook-gloo-watch"]
-    start = scheduler_clock([watcher.native_id])[0]
-    time.sleep(seconds / 2)
-    group = dist.new_group(use_local_synchronization=True)
-    dist.all_reduce(torch.ones(1), group=group)
-    time.sleep(seconds / 2)
-    return scheduler_clock([watcher.native_id])[0] - start, _policies_once_set()
-
-
-def test_the_watcher_costs_next_to_nothing(monkeypatch):
-    """Listing the threads a few times a second: under 0.5% of a core (measured here: 0.04-0.09%,
-    mostly waking the thread), and the new group's thread set."""
-    monkeypatch.setenv(gloo_thread.ENV, "idle")
-    seconds = 4.0
-    for used, policies in run(_watcher_cost, 2, seconds, backend="gloo"):
-        assert policies == {os.SCHED_IDLE}
-        assert used < 5e-3 * seconds, f"the watcher ran {used * 1e3:.2f} ms in {seconds} s"
-
-
 def test_a_setting_that_sets_nothing_under_gloo_says_so(monkeypatch, capfd):
     monkeypatch.setenv(gloo_thread.ENV, "idle")
     monkeypatch.setattr(gloo_thread, "set_loop_policy", lambda policy: 0)

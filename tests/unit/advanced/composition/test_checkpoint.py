@@ -19,7 +19,7 @@ from dmlbook.advanced.composition.checkpoint import (
     SavedSlice,
     load_and_train,
     load_composed,
-    saved_chunks,
+    saved_slices,
     train_and_save,
 )
 from dmlbook.advanced.composition.compose import compose
@@ -109,7 +109,7 @@ def test_a_checkpoint_moves_between_layouts_and_training_continues_equal(name, t
         # ZeRO-1 changes owners: at dp2 x tp2 one dp coordinate (ranks 0, 1 or ranks 2, 3)
         # owned and saved each parameter's moments; at tp4 (no dp) all four ranks read them.
         key = "optimizer.state.blocks.0.mlp.c_fc.weight.exp_avg"
-        writers = {c.writer for c in saved_chunks(tmp_path / "ckpt", key)}
+        writers = {c.writer for c in saved_slices(tmp_path / "ckpt", key)}
         assert writers in ({0, 1}, {2, 3})
         readers = {r.rank: {x.writer for x in r.reads if x.key == key} for r in results}
         # every rank reads one saved block of them: two ranks that never held them now own them
@@ -120,7 +120,7 @@ def test_a_checkpoint_moves_between_layouts_and_training_continues_equal(name, t
             assert f"blocks.1.mlp.experts.{r.rank}.c_fc.weight" in r.slices
     # The checkpoint holds each slice once, at its global offset: tp2's two blocks of rows.
     if before.tp == 2:
-        chunks = saved_chunks(tmp_path / "ckpt", "model.blocks.0.attn.c_proj.weight")
+        chunks = saved_slices(tmp_path / "ckpt", "model.blocks.0.attn.c_proj.weight")
         assert [c[:2] for c in chunks] == [((0, 0), (16, 8)), ((0, 8), (16, 8))]
         assert [c.writer % 2 for c in chunks] == [0, 1]  # by a rank of tp 0, of tp 1 (rank % 2)
     # Nothing but the checkpoint at the final path (the temporary folder was renamed).
@@ -142,7 +142,7 @@ def test_a_checkpoint_of_any_layout_loads_in_one_process(name, tmp_path):
     assert set(result.slices) == set(dict(make_dense().named_parameters()))
     # One process holds every tensor whole: it reads each saved slice, from each saver's file.
     key = "model.blocks.0.mlp.c_fc.weight"
-    saved = saved_chunks(directory, key)
+    saved = saved_slices(directory, key)
     read = [(x.saved, x.writer) for x in result.reads if x.key == key]
     assert sorted(read) == sorted((c.offsets, c.writer) for c in saved)
     if before.tp == 2:  # straddles: rows 0-31 from one rank's file, rows 32-63 from another's
